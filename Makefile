@@ -1,0 +1,28 @@
+# The two commands a user needs: `make demo` and `make test`. Everything installs into .venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install build test demo bench clean
+
+install: $(STAMP) build
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel "Cython>=3.0"
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# Rebuild the Cython extensions in place when native/ changed (a no-op otherwise).
+build: $(STAMP)
+	$(BIN)/python setup.py -q build_ext --inplace
+
+test: install
+	$(BIN)/python -m pytest -q
+
+demo: install
+	$(BIN)/python -m timely.launch -w 2 examples/wordcount.py
+
+clean:
+	rm -rf build $(VENV) timely/_native/*.so timely/_native/*.c native/*.c *.egg-info

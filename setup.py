@@ -1,0 +1,45 @@
+"""Build script: compiles the Cython hot paths in ``native/`` into ``timely._native``.
+
+A C compiler and the Python headers are required; without them the build stops with a
+message that says so instead of a compiler traceback.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+import sysconfig
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+NATIVE_MODULES = ["hashing"]  # native/<name>.pyx -> timely._native.<name>
+
+
+class CheckedBuildExt(build_ext):
+    """``build_ext`` that first checks for a C compiler and the Python headers."""
+
+    def run(self) -> None:
+        cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+        if shutil.which(cc) is None and shutil.which("cc") is None:
+            sys.exit(
+                f"error: no C compiler found (looked for {cc!r} and 'cc'). The native hot paths "
+                "in native/ need one: install gcc (Debian: apt-get install build-essential python3-dev)."
+            )
+        include = sysconfig.get_paths()["include"]
+        if not shutil.os.path.exists(shutil.os.path.join(include, "Python.h")):
+            sys.exit(f"error: Python.h not found in {include}: install the Python development headers.")
+        super().run()
+
+
+def extensions():
+    from Cython.Build import cythonize
+    from setuptools import Extension
+
+    exts = [
+        Extension(f"timely._native.{name}", [f"native/{name}.pyx"], extra_compile_args=["-O3"])
+        for name in NATIVE_MODULES
+    ]
+    return cythonize(exts, language_level=3, compiler_directives={"boundscheck": False, "wraparound": False})
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": CheckedBuildExt})

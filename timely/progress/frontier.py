@@ -1,0 +1,127 @@
+"""Antichains: frontiers of partially ordered times, fixed (:class:`Antichain`) or counted
+(:class:`MutableAntichain`). The empty antichain means "complete": no further time is possible."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from .timestamp import less_equal, less_than
+
+
+class Antichain:
+    """A set of mutually incomparable elements (times or summaries)."""
+
+    __slots__ = ("elements",)
+
+    def __init__(self, elements: Iterable[Any] = ()) -> None:
+        self.elements: list[Any] = []
+        for e in elements:
+            self.insert(e)
+
+    def insert(self, e: Any) -> bool:
+        """Add ``e`` unless some element is ``<= e``; drop the elements ``e`` is ``<=``. True if added."""
+        for x in self.elements:
+            if less_equal(x, e):
+                return False
+        self.elements = [x for x in self.elements if not less_equal(e, x)]
+        self.elements.append(e)
+        return True
+
+    def less_equal(self, t: Any) -> bool:
+        """True if some element is ``<= t``."""
+        return any(less_equal(x, t) for x in self.elements)
+
+    def less_than(self, t: Any) -> bool:
+        """True if some element is ``< t``."""
+        return any(less_than(x, t) for x in self.elements)
+
+    def dominates(self, other: "Antichain") -> bool:
+        """``self <= other``: every element of ``other`` has an element of ``self`` ``<=`` it."""
+        return all(self.less_equal(b) for b in other.elements)
+
+    def is_empty(self) -> bool:
+        """True for the empty antichain (no further time possible)."""
+        return not self.elements
+
+    def __iter__(self):
+        return iter(self.elements)
+
+    def __len__(self) -> int:
+        return len(self.elements)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Antichain):
+            other = other.elements
+        if not isinstance(other, (list, tuple)):
+            return NotImplemented
+        return sorted(self.elements) == sorted(other)
+
+    def __repr__(self) -> str:
+        return f"Antichain({sorted(self.elements)!r})"
+
+
+class MutableAntichain:
+    """A multiset of times with integer counts and the frontier of those with positive count.
+
+    Counts may be transiently negative (a worker may see a decrement before the increment it
+    cancels); only strictly positive counts contribute to the frontier.
+    """
+
+    __slots__ = ("counts", "frontier")
+
+    def __init__(self) -> None:
+        self.counts: dict[Any, int] = {}
+        self.frontier: list[Any] = []
+
+    def update_iter(self, updates: Iterable[tuple[Any, int]]) -> list[tuple[Any, int]]:
+        """Apply ``(time, diff)`` updates; return the frontier's changes as ``(time, +1|-1)`` pairs."""
+        counts = self.counts
+        frontier = self.frontier
+        rebuild = False
+        for t, d in updates:
+            if not d:
+                continue
+            c0 = counts.get(t, 0)
+            c1 = c0 + d
+            if c1:
+                counts[t] = c1
+            else:
+                del counts[t]
+            if rebuild or (c0 > 0) == (c1 > 0):
+                continue  # t neither entered nor left the set of positive times
+            if c1 > 0:
+                # t entered: the frontier changes unless an element already is <= t.
+                rebuild = not any(less_equal(f, t) for f in frontier)
+            else:
+                # t left: the frontier changes only if t was one of its elements.
+                rebuild = t in frontier
+        if not rebuild:
+            return []
+        new = []
+        for t in sorted(t for t, c in counts.items() if c > 0):
+            if not any(less_equal(x, t) for x in new):
+                new.append(t)
+        if new == frontier:
+            return []
+        old = set(frontier)
+        nset = set(new)
+        self.frontier = new
+        return [(t, -1) for t in frontier if t not in nset] + [(t, 1) for t in new if t not in old]
+
+    def less_equal(self, t: Any) -> bool:
+        """True if some frontier element is ``<= t``."""
+        return any(less_equal(x, t) for x in self.frontier)
+
+    def less_than(self, t: Any) -> bool:
+        """True if some frontier element is ``< t``."""
+        return any(less_than(x, t) for x in self.frontier)
+
+    def count_for(self, t: Any) -> int:
+        """The count of exactly ``t``."""
+        return self.counts.get(t, 0)
+
+    def is_empty(self) -> bool:
+        """True when the frontier is empty."""
+        return not self.frontier
+
+    def __repr__(self) -> str:
+        return f"MutableAntichain(frontier={self.frontier!r})"
