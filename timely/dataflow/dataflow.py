@@ -1,0 +1,191 @@
+"""A dataflow on one worker: its operators, edges, progress tracker and step loop.
+
+The graph is flat: operators of nested scopes live in the same dataflow and differ only in the
+depth of their timestamps (Naiad's design), so one tracker and one progress channel serve the
+whole dataflow. The build phase ends at :meth:`Dataflow.freeze`; the structure is fixed after it.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+from typing import TYPE_CHECKING, Any
+
+from ..progress.change_batch import ChangeBatch
+from ..progress.reachability import Builder, Location, Source, Target, Tracker
+from ..progress.timestamp import minimum
+from .channels import Pact
+from .operator import InputPort, OperatorCore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..worker import Worker
+    from .scope import Stream
+
+
+class ProgressMismatchError(RuntimeError):
+    """Workers built different dataflows (operators and channels must be created in the same order)."""
+
+
+class Dataflow:
+    """One dataflow instance on one worker."""
+
+    def __init__(self, worker: "Worker", name: str) -> None:
+        self.worker = worker
+        self.name = name
+        self.index = worker.index
+        self.peers = worker.peers
+        self.operators: list[OperatorCore] = []
+        self.edges: list[tuple[Location, Location, str]] = []
+        # Invariant (DESIGN 2.2): every change of one step goes into this one batch, which is sent
+        # whole; it is never split between progress messages.
+        self.progress = ChangeBatch()
+        self.tracker: Tracker | None = None
+        self.digest = 0
+        self._active: list[int] = []
+        self._active_set: set[int] = set()
+        self._pullers: list[tuple[Any, InputPort]] = []
+        self._inputs: list[Any] = []  # InputHandles, flushed at each step
+        self._unbuilt: set[int] = set()
+        self._loops: list[Any] = []
+        # The progress channel is allocated first, so its id is the same on every worker.
+        self._progress_pushers, self._progress_puller = worker.allocate(worker.new_channel())
+
+    # -- build phase -------------------------------------------------------------------------
+    def add_operator(self, name: str) -> OperatorCore:
+        """Reserve the next operator index."""
+        if self.tracker is not None:
+            raise RuntimeError(f"dataflow '{self.name}' is already built: cannot add operator '{name}'")
+        op = OperatorCore(self, len(self.operators), name)
+        self.operators.append(op)
+        self._unbuilt.add(op.index)
+        return op
+
+    def operator_built(self, op: OperatorCore) -> None:
+        """Called by the builder once the operator's logic is installed."""
+        self._unbuilt.discard(op.index)
+
+    def allocate_channel(self, target: InputPort) -> tuple[list[Any], Any]:
+        """Allocate a worker-to-worker channel delivering into ``target``."""
+        pushers, puller = self.worker.allocate(self.worker.new_channel())
+        self._pullers.append((puller, target))
+        return pushers, puller
+
+    def connect(self, stream: "Stream", port: InputPort, pact: Pact) -> None:
+        """Add an edge from ``stream`` to input ``port`` through ``pact``."""
+        src = self.operators[stream.node].outputs[stream.port]
+        if src.levels != port.levels:
+            raise ValueError(
+                f"operator '{port.op.name}': input is in a scope of depth {port.levels}, stream of depth "
+                f"{src.levels} (use enter()/leave())"
+            )
+        channel = pact.channel(self, port)
+        target = Target(port.op.index, port.port)
+        src.channels.append((channel, target))
+        self.edges.append((Source(stream.node, stream.port), target, repr(pact)))
+
+    def register_input(self, handle: Any) -> None:
+        """Remember an input handle so that each step flushes it."""
+        self._inputs.append(handle)
+
+    def register_loop(self, handle: Any) -> None:
+        """Remember a feedback handle, which must be connected before the dataflow is built."""
+        self._loops.append(handle)
+
+    def freeze(self) -> None:
+        """End the build phase: check the graph, initialise counts and frontiers."""
+        if self._unbuilt:
+            names = ", ".join(self.operators[i].name for i in sorted(self._unbuilt))
+            raise RuntimeError(f"dataflow '{self.name}': operators never built: {names}")
+        for loop in self._loops:
+            if not loop.connected:
+                raise RuntimeError(f"dataflow '{self.name}': feedback '{loop.name}' was never connected (connect_loop)")
+        builder = Builder()
+        for op in self.operators:
+            builder.add_node(op.index, len(op.inputs), len(op.outputs), op.summary, op.name)
+        for src, tgt, _ in self.edges:
+            builder.add_edge(src, tgt)
+        self.tracker = tracker = builder.build()
+        shape = repr(
+            [(op.name, len(op.inputs), len(op.outputs)) for op in self.operators] + [(s, t, p) for s, t, p in self.edges]
+        )
+        self.digest = int.from_bytes(hashlib.blake2b(shape.encode(), digest_size=8).digest(), "big")
+        # Invariant (DESIGN 2.4): every output starts with `peers` capabilities at the minimum time,
+        # known to every worker without any exchange. Applied locally, never broadcast.
+        for op in self.operators:
+            for out in op.outputs:
+                tracker.update(Source(op.index, out.port), minimum(out.levels), self.peers)
+            for inp in op.inputs:
+                inp.frontier = tracker.implications[Target(op.index, inp.port)]
+        tracker.propagate_all()
+        for op in self.operators:
+            if op.frontier_interest or op.inputs and any(p.queue for p in op.inputs):
+                self.activate(op.index)
+
+    # -- run phase ---------------------------------------------------------------------------
+    def activate(self, index: int) -> None:
+        """Schedule operator ``index``."""
+        if index not in self._active_set:
+            self._active_set.add(index)
+            heapq.heappush(self._active, index)
+
+    def step(self) -> bool:
+        """Receive, propagate, schedule active operators, send progress. True if anything happened."""
+        tracker = self.tracker
+        did = False
+        for handle in self._inputs:
+            handle.flush()
+        messages = self._progress_puller.drain()
+        if messages:
+            did = True
+            for digest, sender, updates in messages:
+                if digest != self.digest:
+                    raise ProgressMismatchError(
+                        f"dataflow '{self.name}': worker {sender} built a different dataflow than worker "
+                        f"{self.index}; every worker must create the same operators in the same order"
+                    )
+                tracker.update_batch(((Location(n, p, s), t), d) for n, p, s, t, d in updates)
+            operators = self.operators
+            for loc, _t, _d in tracker.propagate_all():
+                if not loc.source and operators[loc.node].frontier_interest:
+                    self.activate(loc.node)
+        for puller, port in self._pullers:
+            msg = puller.pull()
+            while msg is not None:
+                port.deliver(msg[0], msg[1])
+                msg = puller.pull()
+        # Schedule in index order; operators activated at a larger index run in this pass, those at
+        # a smaller one (loops) in the next step.
+        active, active_set, operators = self._active, self._active_set, self.operators
+        deferred = []
+        last = -1
+        while active:
+            i = heapq.heappop(active)
+            if i <= last:
+                deferred.append(i)
+                continue
+            active_set.discard(i)
+            last = i
+            did = True
+            operators[i].schedule()
+        for i in deferred:
+            active_set.discard(i)
+            self.activate(i)
+        if not self.progress.is_empty():
+            did = True
+            updates = [(l.node, l.port, l.source, t, d) for (l, t), d in self.progress.drain()]
+            message = (self.digest, self.index, updates)
+            for pusher in self._progress_pushers:
+                pusher.push(message)
+        return did
+
+    def busy(self) -> bool:
+        """True when operators are waiting to run or progress is waiting to be sent."""
+        return bool(self._active) or not self.progress.is_empty()
+
+    def complete(self) -> bool:
+        """True when no pointstamp remains anywhere: nothing can happen in this dataflow any more."""
+        return (
+            self.tracker is not None
+            and not self.tracker.tracking_anything()
+            and self.progress.is_empty()
+            and not self._active
+        )

@@ -1,0 +1,129 @@
+"""Inputs, probes and loop handles: how a worker's driver code talks to a running dataflow."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..progress.frontier import MutableAntichain
+from ..progress.timestamp import Summary, less_equal, less_than, minimal
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .capability import Capability
+    from .operator import OperatorCore, OutputPort
+
+
+class InputError(ValueError):
+    """An input handle was misused (time moved backwards, used after close)."""
+
+
+class InputHandle:
+    """Feeds records into a dataflow at the current epoch ``time``.
+
+    ``send``/``send_batch`` add records at ``time``; ``advance_to(t)`` promises no more records
+    before ``t``; ``close()`` promises no more records at all.
+    """
+
+    def __init__(self, op: "OperatorCore", cap: "Capability") -> None:
+        self._op = op
+        self._out: "OutputPort" = op.outputs[0]
+        self._cap: "Capability | None" = cap
+        self._buffer: list = []
+        self._closed_at: Any = None
+
+    @property
+    def time(self) -> Any:
+        """The epoch at which records are sent now."""
+        return self._cap.time if self._cap is not None else self._closed_at
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._cap is None
+
+    def _check_open(self) -> None:
+        if self._cap is None:
+            raise InputError(f"input '{self._op.name}' is closed")
+
+    def send(self, record: Any) -> None:
+        """Send one record at the current time."""
+        self._check_open()
+        self._buffer.append(record)
+        if len(self._buffer) >= 4096:
+            self.flush()
+
+    def send_batch(self, records: Sequence) -> None:
+        """Send many records at the current time."""
+        self._check_open()
+        if self._buffer:
+            self._buffer.extend(records)
+            self.flush()
+        elif records:
+            self._out.send(self._cap.time, list(records))
+
+    def flush(self) -> None:
+        """Push buffered records into the dataflow."""
+        if self._buffer:
+            buf, self._buffer = self._buffer, []
+            self._out.send(self._cap.time, buf)
+
+    def advance_to(self, time: Any) -> None:
+        """Move the input's epoch forward to ``time``; earlier epochs can complete."""
+        self._check_open()
+        if not less_equal(self._cap.time, time):
+            raise InputError(
+                f"input '{self._op.name}': advance_to({time!r}) would move time backwards from {self._cap.time!r}"
+            )
+        self.flush()
+        self._cap.downgrade(time)
+
+    def close(self) -> None:
+        """No more records: release the input's capability (idempotent)."""
+        if self._cap is None:
+            return
+        self.flush()
+        self._closed_at = self._cap.time
+        self._cap.drop()
+        self._cap = None
+
+
+class ProbeHandle:
+    """Observes the frontier of one or more streams: which times may still appear there."""
+
+    def __init__(self) -> None:
+        self._ports: list[Any] = []  # InputPorts; their frontier object is installed at freeze
+
+    def _attach(self, port: Any) -> None:
+        self._ports.append(port)
+
+    @property
+    def _frontiers(self) -> list[MutableAntichain]:
+        return [p.frontier for p in self._ports]
+
+    def frontier(self) -> list:
+        """The minimal times that may still appear (empty: the streams are complete)."""
+        return sorted(minimal(t for f in self._frontiers for t in f.frontier))
+
+    def less_than(self, time: Any) -> bool:
+        """True while some time strictly before ``time`` may still appear."""
+        return any(less_than(t, time) for f in self._frontiers for t in f.frontier)
+
+    def less_equal(self, time: Any) -> bool:
+        """True while some time at or before ``time`` may still appear."""
+        return any(less_equal(t, time) for f in self._frontiers for t in f.frontier)
+
+    def done(self) -> bool:
+        """True once no further time may appear."""
+        return all(not f.frontier for f in self._frontiers)
+
+    def __repr__(self) -> str:
+        return f"ProbeHandle(frontier={self.frontier()!r})"
+
+
+class LoopHandle:
+    """The entry of a feedback edge, closed by ``stream.connect_loop(handle)``."""
+
+    def __init__(self, scope: Any, builder: Any, summary: Summary, name: str) -> None:
+        self.scope = scope
+        self.builder = builder
+        self.summary = summary
+        self.name = name
+        self.connected = False

@@ -1,0 +1,94 @@
+"""The worker: one per OS process. Owns the allocator, builds dataflows, and steps them."""
+from __future__ import annotations
+
+import contextlib
+import time as _time
+from typing import Any, Callable, Iterator, Sequence
+
+from .comm.allocator import Allocator
+from .dataflow.dataflow import Dataflow
+from .dataflow.scope import Scope
+
+
+class Worker:
+    """A timely worker: ``index`` of ``peers``, with the job's ``args``.
+
+    Build dataflows with ``with worker.dataflow() as scope: ...``, then drive them with
+    :meth:`step` / :meth:`step_while`. Every worker must build the same dataflows in the same order.
+    """
+
+    def __init__(self, allocator: Allocator, args: Sequence[str] = ()) -> None:
+        self.allocator = allocator
+        self.index: int = allocator.index
+        self.peers: int = allocator.peers
+        self.args: list[str] = list(args)
+        self._next_channel = 0
+        self._dataflows: list[Dataflow] = []
+        self._building: Dataflow | None = None
+        self._open_inputs: list[Any] = []
+
+    # -- construction ------------------------------------------------------------------------
+    def new_channel(self) -> int:
+        """The next channel identifier (creation order, identical on every worker)."""
+        ch = self._next_channel
+        self._next_channel += 1
+        return ch
+
+    def allocate(self, channel: int):
+        """Allocate ``channel`` on the allocator: ``(pushers by worker, puller)``."""
+        return self.allocator.allocate(channel)
+
+    @contextlib.contextmanager
+    def dataflow(self, name: str | None = None) -> Iterator[Scope]:
+        """Build a dataflow in the ``with`` block; it starts running when the block ends."""
+        if self._building is not None:
+            raise RuntimeError("dataflows cannot be nested; use scope.iterative() for nested scopes")
+        df = Dataflow(self, name or f"dataflow {len(self._dataflows)}")
+        self._building = df
+        try:
+            yield Scope(df)
+            df.freeze()
+        finally:
+            self._building = None
+        self._dataflows.append(df)
+
+    # -- execution ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Do one round of work without waiting; True while some dataflow remains."""
+        return self.step_or_park(0)
+
+    def step_or_park(self, timeout: float | None) -> bool:
+        """Do one round of work; if there was none, wait up to ``timeout`` seconds for messages."""
+        alloc = self.allocator
+        alloc.receive()
+        alloc.events()
+        did = False
+        for df in self._dataflows:
+            did = df.step() or did
+        alloc.release()
+        if any(df.complete() for df in self._dataflows):
+            self._dataflows = [df for df in self._dataflows if not df.complete()]
+        if not did and timeout != 0 and not any(df.busy() for df in self._dataflows):
+            alloc.await_events(timeout)
+        return bool(self._dataflows)
+
+    def step_while(self, condition: Callable[[], bool], timeout: float | None = None) -> None:
+        """Step until ``condition()`` is false (parking when idle). ``timeout`` seconds: raise
+        :class:`TimeoutError` instead of waiting longer."""
+        deadline = None if timeout is None else _time.monotonic() + timeout
+        while condition():
+            self.step_or_park(0.05)
+            if deadline is not None and _time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.index}: step_while condition still true after {timeout} s")
+
+    def has_dataflows(self) -> bool:
+        """True while some dataflow has not completed."""
+        return bool(self._dataflows)
+
+    def finish(self) -> None:
+        """Close every input still open and step until all dataflows have completed."""
+        for handle in self._open_inputs:
+            handle.close()
+        self._open_inputs.clear()
+        while self.step_or_park(0.05):
+            pass
