@@ -69,6 +69,9 @@ class Worker:
         if any(df.complete() for df in self._dataflows):
             self._dataflows = [df for df in self._dataflows if not df.complete()]
         if not did and timeout != 0 and not any(df.busy() for df in self._dataflows):
+            timers = [t for t in (df.next_timer() for df in self._dataflows) if t is not None]
+            if timers:
+                timeout = min(timers) if timeout is None else min(timeout, *timers)
             alloc.await_events(timeout)
         return bool(self._dataflows)
 

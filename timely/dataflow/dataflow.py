@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import time as _time
 from typing import TYPE_CHECKING, Any
 
 from ..progress.change_batch import ChangeBatch
@@ -42,6 +43,7 @@ class Dataflow:
         self.digest = 0
         self._active: list[int] = []
         self._active_set: set[int] = set()
+        self._timers: list[tuple[float, int]] = []  # (monotonic deadline, operator index)
         self._pullers: list[tuple[Any, InputPort]] = []
         self._inputs: list[Any] = []  # InputHandles, flushed at each step
         self._unbuilt: set[int] = set()
@@ -127,10 +129,22 @@ class Dataflow:
             self._active_set.add(index)
             heapq.heappush(self._active, index)
 
+    def activate_after(self, index: int, delay: float) -> None:
+        """Schedule operator ``index`` once ``delay`` seconds have passed."""
+        heapq.heappush(self._timers, (_time.monotonic() + delay, index))
+
+    def next_timer(self) -> float | None:
+        """Seconds until the next delayed activation (None: no timer pending)."""
+        return max(0.0, self._timers[0][0] - _time.monotonic()) if self._timers else None
+
     def step(self) -> bool:
         """Receive, propagate, schedule active operators, send progress. True if anything happened."""
         tracker = self.tracker
         did = False
+        if self._timers:
+            now = _time.monotonic()
+            while self._timers and self._timers[0][0] <= now:
+                self.activate(heapq.heappop(self._timers)[1])
         for handle in self._inputs:
             handle.flush()
         messages = self._progress_puller.drain()

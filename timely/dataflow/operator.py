@@ -100,6 +100,10 @@ class OperatorCore:
         """Schedule this operator in the current or next step."""
         self.df.activate(self.index)
 
+    def activate_after(self, delay: float) -> None:
+        """Schedule this operator once ``delay`` seconds have passed (the worker parks until then)."""
+        self.df.activate_after(self.index, delay)
+
     def schedule(self) -> None:
         """Run the logic once; user exceptions become :class:`OperatorError`."""
         if self.logic is None:

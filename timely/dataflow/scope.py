@@ -23,12 +23,17 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class OperatorInfo(NamedTuple):
-    """What an operator constructor learns about the operator being built."""
+    """What an operator constructor learns about the operator being built.
+
+    ``activator.activate()`` schedules the operator again; ``activator.activate_after(seconds)``
+    schedules it once the delay has passed (for operators that poll something outside the dataflow).
+    """
 
     name: str
     index: int
     worker: int
     peers: int
+    activator: Any
 
 
 class Scope:
@@ -64,6 +69,31 @@ class Scope:
         self.df.worker._open_inputs.append(handle)
         return handle
 
+    def source(self, constructor: Callable, name: str = "Source") -> "Stream":
+        """An operator with no input that produces data itself.
+
+        ``constructor(capability, info)`` returns ``logic(output)``; the operator runs when activated
+        (``info.activator.activate()`` / ``activate_after(seconds)``) and once when the dataflow
+        starts. It sends with capabilities it holds, and must eventually drop them all.
+        """
+        b = OperatorBuilder(self, name)
+        b.new_output()
+        core = b.core
+
+        def build(caps: list[Capability]):
+            logic = constructor(caps[0], OperatorInfo(name, core.index, self.index, self.peers, core))
+            out = OutputHandle(core.outputs[0])
+
+            def run() -> None:
+                logic(out)
+                out.flush()
+
+            return run
+
+        b.build(build)
+        core.activate()
+        return Stream(self, core.index, 0)
+
     def feedback(self, step: int = 1, name: str = "Feedback") -> tuple[LoopHandle, "Stream"]:
         """A loop: returns ``(handle, stream)``; records given to ``connect_loop(handle)`` reappear on
         ``stream`` with their last time coordinate advanced by ``step`` (which must be positive)."""
@@ -93,7 +123,7 @@ class Stream:
 
     # -- generic operators ---------------------------------------------------------------------
     def _info(self, b: OperatorBuilder, name: str) -> OperatorInfo:
-        return OperatorInfo(name, b.index, self.scope.index, self.scope.peers)
+        return OperatorInfo(name, b.index, self.scope.index, self.scope.peers, b.core)
 
     def unary(self, constructor: Callable, name: str = "Unary", exchange: Key | Pact | None = None,
               frontier: bool = False) -> "Stream":
