@@ -1,13 +1,13 @@
 """Dataflow construction and execution: scopes, streams, operators, capabilities, inputs, probes."""
 from .capability import Capability, CapabilityError, InputCapability
-from .channels import Broadcast, Exchange, Pact, Pipeline
+from .channels import Broadcast, Distribute, Exchange, Pact, Pipeline
 from .dataflow import Dataflow, ProgressMismatchError
 from .input import InputError, InputHandle, LoopHandle, ProbeHandle
 from .operator import Notificator, OperatorBuilder, OperatorError
 from .scope import Captured, OperatorInfo, Scope, Stream
 
 __all__ = [
-    "Broadcast", "Capability", "CapabilityError", "Captured", "Dataflow", "Exchange", "InputCapability",
+    "Broadcast", "Capability", "Distribute", "CapabilityError", "Captured", "Dataflow", "Exchange", "InputCapability",
     "InputError", "InputHandle", "LoopHandle", "Notificator", "OperatorBuilder", "OperatorError",
     "OperatorInfo", "Pact", "Pipeline", "ProbeHandle", "ProgressMismatchError", "Scope", "Stream",
 ]

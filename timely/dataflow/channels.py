@@ -70,6 +70,27 @@ class Broadcast(Pact):
         return "Broadcast"
 
 
+class Distribute(Pact):
+    """Records go where ``partitioner(time, batch, peers)`` says: it returns one list per worker.
+
+    For operators that route by their own rules (for example by a routing table that changes over
+    time). The partitioner must put every record in exactly one list.
+    """
+
+    remote = True
+
+    def __init__(self, partitioner: Callable[[Any, Sequence, int], list]) -> None:
+        self.partitioner = partitioner
+
+    def channel(self, df: Any, target: Any) -> "Channel":
+        if df.peers == 1:
+            return PipelineChannel(target)
+        return DistributeChannel(df, target, self.partitioner)
+
+    def __repr__(self) -> str:
+        return "Distribute"
+
+
 def pact_of(exchange: Key | Pact | bool) -> Pact:
     """Turn the ``exchange=`` argument of operators into a pact (``None``/``False``: pipeline)."""
     if isinstance(exchange, Pact):
@@ -151,3 +172,24 @@ class BroadcastChannel(_RemoteChannel):
         for w in range(self.peers):
             self._send(w, time, batch)
         return len(batch) * self.peers
+
+
+class DistributeChannel(_RemoteChannel):
+    """Sends the per-worker lists computed by a partitioner."""
+
+    def __init__(self, df: Any, target: Any, partitioner: Callable[[Any, Sequence, int], list]) -> None:
+        super().__init__(df, target)
+        self.partitioner = partitioner
+        self.peers = df.peers
+
+    def push(self, time: Any, batch: Sequence) -> int:
+        parts = self.partitioner(time, batch, self.peers)
+        if len(parts) != self.peers or sum(map(len, parts)) != len(batch):
+            raise ValueError(
+                f"operator '{self.op_name}': partitioner must split a batch of {len(batch)} records into "
+                f"{self.peers} lists, got {len(parts)} lists holding {sum(map(len, parts))} records"
+            )
+        for w, part in enumerate(parts):
+            if part:
+                self._send(w, time, part)
+        return len(batch)

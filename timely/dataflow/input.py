@@ -90,9 +90,18 @@ class ProbeHandle:
 
     def __init__(self) -> None:
         self._ports: list[Any] = []  # InputPorts; their frontier object is installed at freeze
+        self._watchers: list[Any] = []  # activators scheduled whenever the frontier changes
 
     def _attach(self, port: Any) -> None:
         self._ports.append(port)
+
+    def watch(self, activator: Any) -> None:
+        """Schedule ``activator`` (an operator's ``info.activator``) whenever this frontier changes."""
+        self._watchers.append(activator)
+
+    def _changed(self) -> None:
+        for a in self._watchers:
+            a.activate()
 
     @property
     def _frontiers(self) -> list[MutableAntichain]:

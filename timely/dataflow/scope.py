@@ -370,7 +370,21 @@ class Stream:
     def probe_with(self, handle: ProbeHandle) -> "Stream":
         """Add this stream's frontier to ``handle``; returns the same records as a new stream."""
         out = self._forward("Probe", lambda t, batch: batch)
-        handle._attach(self.scope.df.operators[out.node].inputs[0])
+        core = self.scope.df.operators[out.node]
+        handle._attach(core.inputs[0])
+        # Scheduled on frontier changes too, so that operators watching the probe wake up.
+        core.frontier_interest = True
+        forward = core.logic
+        port = core.inputs[0]
+        seen: list = [None]
+
+        def run() -> None:
+            forward()
+            if handle._watchers and port.frontier.frontier != seen[0]:
+                seen[0] = list(port.frontier.frontier)
+                handle._changed()
+
+        core.logic = run
         return out
 
     def capture(self) -> "Captured":

@@ -67,43 +67,80 @@ class Builder:
         self.edges[(source.node, source.port)].append((target.node, target.port))
 
     def check_acyclic(self) -> None:
-        """Raise :class:`CycleError` if some cycle has no step that strictly advances time.
+        """Raise :class:`CycleError` if some cycle's composed summary does not strictly advance time.
 
-        Kahn's algorithm over locations, keeping only edges and summaries that do not advance time.
+        A cycle composes into ``Summary(keep, add, push)`` where ``keep`` is the least ``keep`` ``m``
+        of its operator steps (edges are identities and never lower) and ``add`` is the sum of the
+        ``add`` of its steps with ``keep == m``; it advances iff that ``add`` is positive. (A feedback
+        deeper than ``m`` does not count: leaving the scope forgets it, and ``leave`` then ``enter``
+        maps ``(a, b)`` to ``(a, 0) <= (a, b)``.) So for each level ``m``: in the graph of edges,
+        steps with ``keep > m`` and steps with ``keep == m, add == 0``, no step of the last kind may
+        lie on a cycle.
         """
-        succ: dict[Location, list[Location]] = defaultdict(list)
+        edges: list[tuple[Location, Location]] = []
+        steps: list[tuple[Location, Location, Summary]] = []
         for (n, o), targets in self.edges.items():
             for m, i in targets:
-                succ[Source(n, o)].append(Target(m, i))
+                edges.append((Source(n, o), Target(m, i)))
         for n, (ins, outs, summ) in enumerate(self.nodes):
             for i in range(ins):
                 for o in range(outs):
-                    if any(not s.advances() for s in summ[i][o]):
-                        succ[Target(n, i)].append(Source(n, o))
-        indeg: dict[Location, int] = defaultdict(int)
-        locs = set(succ)
-        for a, bs in succ.items():
-            for b in bs:
-                indeg[b] += 1
-                locs.add(b)
-        ready = [l for l in locs if indeg[l] == 0]
-        seen = 0
-        while ready:
-            l = ready.pop()
-            seen += 1
-            for b in succ.get(l, ()):
-                indeg[b] -= 1
-                if indeg[b] == 0:
-                    ready.append(b)
-        if seen != len(locs):
-            stuck = sorted({l.node for l in locs if indeg[l] > 0})
-            names = ", ".join(self.names[n] for n in stuck)
-            raise CycleError(f"a dataflow cycle does not advance time (no feedback with a positive step): {names}")
+                    for s in summ[i][o]:
+                        steps.append((Target(n, i), Source(n, o), s))
+        for level in sorted({s.keep for _, _, s in steps}):
+            arcs = edges + [(a, b) for a, b, s in steps if s.keep > level or s.add == 0]
+            comp = _components(arcs)
+            for a, b, s in steps:
+                if s.keep == level and s.add == 0 and comp[a] == comp[b]:
+                    names = self.names[a.node] if a.node == b.node else f"{self.names[a.node]}, {self.names[b.node]}"
+                    raise CycleError(
+                        f"a dataflow cycle does not advance time (no feedback with a positive step at "
+                        f"its outermost level {level}): {names}"
+                    )
 
     def build(self) -> "Tracker":
         """Check the graph and freeze it into a tracker."""
         self.check_acyclic()
         return Tracker(self.nodes, dict(self.edges))
+
+
+def _components(arcs: list) -> dict:
+    """Strongly connected components (Kosaraju, iterative): vertex -> component representative."""
+    succ: dict = defaultdict(list)
+    pred: dict = defaultdict(list)
+    for a, b in arcs:
+        succ[a].append(b)
+        pred[b].append(a)
+    order: list = []
+    seen: set = set()
+    for root in list(succ) + list(pred):
+        if root in seen:
+            continue
+        seen.add(root)
+        stack = [(root, iter(succ[root]))]
+        while stack:
+            v, it = stack[-1]
+            for w in it:
+                if w not in seen:
+                    seen.add(w)
+                    stack.append((w, iter(succ[w])))
+                    break
+            else:
+                stack.pop()
+                order.append(v)
+    comp: dict = {}
+    for root in reversed(order):
+        if root in comp:
+            continue
+        comp[root] = root
+        stack = [root]
+        while stack:
+            v = stack.pop()
+            for w in pred[v]:
+                if w not in comp:
+                    comp[w] = root
+                    stack.append(w)
+    return comp
 
 
 def _heap_key(t: Any) -> tuple:
