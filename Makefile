@@ -11,7 +11,7 @@ install: $(STAMP) build
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel "Cython>=3.0"
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
 # Rebuild the Cython extensions in place when native/ changed (a no-op otherwise).

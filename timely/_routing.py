@@ -9,6 +9,8 @@ from ._native import hashing as _hashing
 
 hash64 = _hashing.hash64
 partition = _hashing.partition
+bins_of = _hashing.bins_of
+route_bins = _hashing.route_bins
 
 
 def serialisable(record: Any) -> bool:
