@@ -1,0 +1,240 @@
+"""Megaphone operators under random inputs and random migrations, against sequential oracles.
+
+For each run: random keyed records per epoch, random migrations (moves at random epochs, issued by
+worker 0 over the control input at the same times as data), on 1, 2 and 3 workers. The outputs
+must equal a sequential computation and the run without migration; no record is lost or applied
+twice; after each epoch every bin lives on exactly one worker, the one the routing table names.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import megaphone
+from conftest import WORKER_COUNTS, WORKER_IDS, bag, examples, norm, run
+
+workers_param = pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
+STEP_TIMEOUT = 30
+
+keys = st.integers(0, 40)
+records = st.lists(st.tuples(keys, st.integers(1, 5)), max_size=25)
+
+
+def drive(worker, data_inputs, control, handle, epochs, moves, check_bins=True):
+    """Feed ``epochs`` (per epoch: one record list per data input) and ``moves`` (worker 0 only)."""
+    owned = []
+    for e, per_input in enumerate(epochs):
+        if worker.index == 0 and moves[e]:
+            control.moves(moves[e])
+        for inp, recs in zip(data_inputs, per_input):
+            inp.send_batch(recs[worker.index::worker.peers])
+        for inp in data_inputs:
+            inp.advance_to(e + 1)
+        control.advance_to(e + 1)
+        worker.step_while(lambda: handle.probe.less_than(e + 1), timeout=STEP_TIMEOUT)
+        if check_bins:
+            owned.append((handle.owned_bins(), list(handle.routing_table())))
+    return owned
+
+
+def check_ownership(results, peers: int, k: int):
+    """After every epoch, each bin lives on exactly one worker: the one the routing table names."""
+    epochs = len(results[0][1])
+    for e in range(epochs):
+        tables = {tuple(r[1][e][1]) for r in results}
+        assert len(tables) == 1, f"workers disagree on the routing table after epoch {e}"
+        table = tables.pop()
+        holders = defaultdict(list)
+        for w, r in enumerate(results):
+            for b in r[1][e][0]:
+                holders[b].append(w)
+        for b in range(1 << k):
+            assert holders[b] == [table[b]], f"epoch {e}: bin {b} held by {holders[b]}, table says {table[b]}"
+
+
+def running_counts(epochs):
+    """Sequential oracle of a per-key running sum, per (time, key): the sum after the time and the
+    number of outputs (records of one key at one time may be applied in any order)."""
+    totals: Counter = Counter()
+    out = Counter()
+    for t, (recs,) in enumerate(epochs):
+        by_key = defaultdict(list)
+        for k, v in recs:
+            by_key[k].append(v)
+        for k, vs in by_key.items():
+            totals[k] += sum(vs)
+            out[(t, k, totals[k], len(vs))] += 1
+    return out
+
+
+def sm_job(epochs, moves, k):
+    def fold(key, value, state):
+        state = (state or 0) + value
+        return state, [(key, state)]
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            data = scope.new_input()
+            control = megaphone.ControlInput(scope, bins=k)
+            m = megaphone.state_machine(data.stream, control, None, fold)
+            cap = m.stream.capture()
+        owned = drive(worker, [data], control, m, epochs, moves)
+        data.close()
+        control.close()
+        worker.finish()
+        return cap.extract(), owned
+
+    return main
+
+
+def summarise_sm(results):
+    """Per (time, key): the last running sum and the number of outputs."""
+    per = defaultdict(list)
+    for caps, _ in results:
+        for t, recs in caps:
+            for key, s in recs:
+                per[(t, key)].append(s)
+    return Counter({(t, key, max(s), len(s)): 1 for (t, key), s in per.items()})
+
+
+@workers_param
+@pytest.mark.timeout(300)
+def test_state_machine_with_random_migrations(workers):
+    examples(workers)(given(data=st.data())(lambda data: _check_state_machine(workers, data)))()
+
+
+def _check_state_machine(workers, data):
+    k = data.draw(st.integers(1, 5), label="k")
+    n = data.draw(st.integers(1, 5), label="epochs")
+    epochs = [(data.draw(records, label=f"records{e}"),) for e in range(n)]
+    bins = 1 << k
+    moves = [data.draw(st.dictionaries(st.integers(0, bins - 1), st.integers(0, workers - 1), max_size=4),
+                       label=f"moves{e}") for e in range(n)]
+    results = run(sm_job(epochs, moves, k), workers)
+    results = [(norm(r[0]), norm(r[1])) for r in results]
+    expected = running_counts(epochs)
+    assert summarise_sm(results) == expected
+    check_ownership(results, workers, k)
+    # The same job without migration gives the same outputs.
+    plain = [(norm(r[0]), norm(r[1])) for r in run(sm_job(epochs, [{}] * n, k), workers)]
+    assert summarise_sm(plain) == summarise_sm(results)
+
+
+def timers_job(epochs, moves, k, delay):
+    """A unary operator with timers: each record (key, v) at t is echoed at t + delay through a
+    timer (data travels with the bin), and a per-key total is kept in the bin's state."""
+
+    def fold(time, recs, timers, state, notificator):
+        out = []
+        for key, v in recs:
+            state[key] = state.get(key, 0) + v
+            notificator.notify_at(time + delay, (key, v))
+        for key, v in timers:
+            out.append(("echo", key, v, state[key] >= v))
+        return out
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            data = scope.new_input()
+            control = megaphone.ControlInput(scope, bins=k)
+            m = megaphone.unary(data.stream, control, 0, fold)
+            cap = m.stream.capture()
+        owned = drive(worker, [data], control, m, epochs, moves)
+        data.close()
+        control.close()
+        worker.finish()
+        return cap.extract(), owned
+
+    return main
+
+
+@workers_param
+@pytest.mark.timeout(300)
+def test_unary_timers_migrate_with_their_bin(workers):
+    examples(workers)(given(data=st.data())(lambda data: _check_timers(workers, data)))()
+
+
+def _check_timers(workers, data):
+    k = data.draw(st.integers(1, 4), label="k")
+    n = data.draw(st.integers(1, 5), label="epochs")
+    delay = data.draw(st.integers(1, 3), label="delay")
+    epochs = [(data.draw(records, label=f"records{e}"),) for e in range(n)]
+    moves = [data.draw(st.dictionaries(st.integers(0, (1 << k) - 1), st.integers(0, workers - 1), max_size=4),
+                       label=f"moves{e}") for e in range(n)]
+    results = [(norm(r[0]), norm(r[1])) for r in run(timers_job(epochs, moves, k, delay), workers)]
+    got = Counter()
+    for caps, _ in results:
+        for t, recs in caps:
+            for r in recs:
+                got[(t, *r)] += 1
+    expected = Counter()
+    for t, (recs,) in enumerate(epochs):
+        for key, v in recs:
+            expected[(t + delay, "echo", key, v, True)] += 1
+    assert got == expected
+    check_ownership(results, workers, k)
+
+
+def join_job(epochs, moves, k):
+    """A symmetric hash join on key: emits (key, a, b) for every pair, at the later of the two times."""
+
+    def fold(time, left, right, timers, state, notificator):
+        lefts = state.setdefault("L", {})
+        rights = state.setdefault("R", {})
+        out = []
+        for key, a in left:
+            out.extend((key, a, b) for b in rights.get(key, ()))
+        for key, a in left:
+            lefts.setdefault(key, []).append(a)
+        for key, b in right:
+            out.extend((key, a, b) for a in lefts.get(key, ()))
+            rights.setdefault(key, []).append(b)
+        return out
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            left = scope.new_input()
+            right = scope.new_input()
+            control = megaphone.ControlInput(scope, bins=k)
+            m = megaphone.binary(left.stream, right.stream, control, 0, 0, fold)
+            cap = m.stream.capture()
+        owned = drive(worker, [left, right], control, m, epochs, moves)
+        for h in (left, right, control):
+            h.close()
+        worker.finish()
+        return cap.extract(), owned
+
+    return main
+
+
+@workers_param
+@pytest.mark.timeout(300)
+def test_binary_join_with_random_migrations(workers):
+    examples(workers)(given(data=st.data())(lambda data: _check_join(workers, data)))()
+
+
+def _check_join(workers, data):
+    k = data.draw(st.integers(1, 4), label="k")
+    n = data.draw(st.integers(1, 4), label="epochs")
+    side = st.lists(st.tuples(st.integers(0, 8), st.integers(0, 99)), max_size=8)
+    epochs = [(data.draw(side, label=f"left{e}"), data.draw(side, label=f"right{e}")) for e in range(n)]
+    moves = [data.draw(st.dictionaries(st.integers(0, (1 << k) - 1), st.integers(0, workers - 1), max_size=4),
+                       label=f"moves{e}") for e in range(n)]
+    results = [(norm(r[0]), norm(r[1])) for r in run(join_job(epochs, moves, k), workers)]
+    got = Counter()
+    for caps, _ in results:
+        for t, recs in caps:
+            for r in recs:
+                got[(t, *r)] += 1
+    expected = Counter()
+    for t1, (left, _) in enumerate(epochs):
+        for t2, (_, right) in enumerate(epochs):
+            for ka, a in left:
+                for kb, b in right:
+                    if ka == kb:
+                        expected[(max(t1, t2), ka, a, b)] += 1
+    assert got == expected
+    check_ownership(results, workers, k)
