@@ -5,9 +5,12 @@ which time on; the routing operator F and the state operator S move bins between
 dataflow runs (Hoffmann et al., "Megaphone", PVLDB 12(9), 2019). See DESIGN.md section 5.
 """
 from .control import ControlError, ControlInput, apply_updates, check_update, default_table
-from .operators import BinNotificator, Migratable, MegaphoneError, binary, state_machine, unary
+from .controller import ControlEndpoint, Controller, RequestError, StepEvent
+from .operators import BinNotificator, MegaphoneError, Migratable, binary, state_machine, unary
+from .plan import STRATEGIES, balanced, check_table, moved_bins, plan, skewed
 
 __all__ = [
-    "BinNotificator", "ControlError", "ControlInput", "MegaphoneError", "Migratable", "apply_updates",
-    "binary", "check_update", "default_table", "state_machine", "unary",
+    "STRATEGIES", "BinNotificator", "ControlEndpoint", "ControlError", "ControlInput", "Controller",
+    "MegaphoneError", "Migratable", "RequestError", "StepEvent", "apply_updates", "balanced", "binary",
+    "check_table", "check_update", "default_table", "moved_bins", "plan", "skewed", "state_machine", "unary",
 ]

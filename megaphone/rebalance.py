@@ -1,0 +1,193 @@
+"""Rebalance a running Megaphone job from outside: ``python -m megaphone.rebalance``.
+
+Talks to a :class:`megaphone.controller.ControlEndpoint`::
+
+    python -m megaphone.rebalance --endpoint tcp://127.0.0.1:5555 --balanced
+    python -m megaphone.rebalance --endpoint tcp://127.0.0.1:5555 --table 0,1,0,1 --strategy fluid
+    python -m megaphone.rebalance --endpoint tcp://127.0.0.1:5555 --move 3:1 --move 7:0
+    python -m megaphone.rebalance --endpoint tcp://127.0.0.1:5555 --status
+
+After a rebalance request it polls the job and prints one line per completed step (bins moved,
+duration) until the migration completes; with tqdm installed it also shows a progress bar.
+
+Exit status: 0 on success, 1 if the job rejected the request, 2 for bad arguments, 3 if the
+endpoint did not answer within ``--timeout`` seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Sequence
+
+import msgpack
+import zmq
+
+EXIT_REJECTED = 1
+EXIT_TIMEOUT = 3
+
+
+class EndpointTimeout(Exception):
+    """The control endpoint did not answer in time."""
+
+
+class Rejected(Exception):
+    """The job answered with an error."""
+
+
+def request(endpoint: str, req: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """Send one msgpack request to ``endpoint``; return the decoded reply.
+
+    Uses a fresh REQ socket per request (closed without lingering), so a job that does not answer
+    leaves nothing behind. Raises :class:`EndpointTimeout` after ``timeout`` seconds.
+    """
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(msgpack.packb(req, use_bin_type=True))
+        if not sock.poll(int(timeout * 1000), zmq.POLLIN):
+            raise EndpointTimeout(f"control endpoint {endpoint} did not answer within {timeout:g} s")
+        return msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
+    finally:
+        sock.close(0)
+
+
+def call(endpoint: str, req: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """:func:`request`, raising :class:`Rejected` (with the job's message) on an error reply."""
+    reply = request(endpoint, req, timeout)
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        error = reply.get("error") if isinstance(reply, dict) else repr(reply)
+        raise Rejected(f"{endpoint} rejected the request: {error}")
+    return reply
+
+
+def _table(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--table expects comma-separated worker indices, not {text!r}") from None
+
+
+def _move(text: str) -> tuple[int, int]:
+    try:
+        b, w = text.split(":")
+        return int(b), int(w)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--move expects BIN:WORKER, not {text!r}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megaphone.rebalance",
+                                description="Rebalance a running Megaphone job through its control endpoint.")
+    p.add_argument("--endpoint", required=True, help="the job's control endpoint, e.g. tcp://127.0.0.1:5555")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--table", type=_table, help="target routing table: one worker per bin, comma-separated")
+    what.add_argument("--balanced", action="store_true", help="target the round-robin table")
+    what.add_argument("--move", type=_move, action="append", metavar="BIN:WORKER", help="move one bin (repeatable)")
+    p.add_argument("--strategy", default="batched", choices=["all_at_once", "fluid", "batched"],
+                   help="migration strategy (default: batched)")
+    p.add_argument("--status", action="store_true",
+                   help="print the routing table and migration status (after the migration, if one is requested)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")
+    p.add_argument("--no-wait", action="store_true", help="submit the request and exit without following it")
+    p.add_argument("--interval", type=float, default=0.1, help="seconds between status polls (default 0.1)")
+    return p
+
+
+def _fmt_bins(bins: Sequence[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, bins[:limit]))
+    return f"[{shown}{', ...' if len(bins) > limit else ''}]"
+
+
+def _print_status(endpoint: str, timeout: float, out: Any) -> None:
+    t = call(endpoint, {"op": "table"}, timeout)
+    s = call(endpoint, {"op": "status"}, timeout)
+    print(f"table ({t['bins']} bins, {t['peers']} workers): {','.join(map(str, t['table']))}", file=out)
+    if "routing_table" in t:
+        print(f"operator routing table: {','.join(map(str, t['routing_table']))}", file=out)
+    print(f"control time {s['control_time']}; {s['completed_count']} steps completed, "
+          f"{len(s['in_flight'])} in flight, {s['queued_count']} queued", file=out)
+    for ev in s["in_flight"]:
+        print(f"  in flight: migration {ev['migration']} step {ev['index'] + 1}/{ev['steps']}, "
+              f"bins {_fmt_bins(ev['bins'])}, {ev.get('elapsed', 0.0) * 1000:.1f} ms so far", file=out)
+
+
+def follow(endpoint: str, migration: int, total: int, timeout: float, interval: float, out: Any) -> None:
+    """Poll the status of ``migration`` and print each step as it completes, until all are done."""
+    bar = None
+    try:
+        from tqdm import tqdm  # optional
+
+        if total and out is sys.stdout and sys.stderr.isatty():
+            bar = tqdm(total=total, unit="step", desc="migrating")
+    except ImportError:
+        pass
+    seen = 0
+    first: float | None = None
+    last: float | None = None
+    try:
+        while True:
+            s = call(endpoint, {"op": "status", "migration": migration, "since": seen}, timeout)
+            for ev in s["completed"]:
+                first = ev["issued_at"] if first is None else min(first, ev["issued_at"])
+                last = ev["completed_at"] if last is None else max(last, ev["completed_at"])
+                line = (f"step {ev['index'] + 1}/{ev['steps']}: {len(ev['bins'])} bins {_fmt_bins(ev['bins'])} "
+                        f"at time {ev['issue_time']}, {ev['duration'] * 1000:.1f} ms")
+                if bar is not None:
+                    bar.write(line)
+                    bar.update(1)
+                else:
+                    print(line, file=out, flush=True)
+            seen += len(s["completed"])
+            if s["done"] and seen >= s["completed_count"]:
+                break
+            if seen >= s["completed_count"]:
+                time.sleep(interval)
+    finally:
+        if bar is not None:
+            bar.close()
+    took = f" in {last - first:.3f} s" if first is not None and last is not None else ""
+    print(f"migration {migration} complete: {total} steps{took}", file=out)
+
+
+def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
+    out = out or sys.stdout
+    args = parser().parse_args(argv)
+    req: dict[str, Any] = {"op": "rebalance", "strategy": args.strategy}
+    if args.table is not None:
+        req["table"] = args.table
+    elif args.balanced:
+        req["balanced"] = True
+    elif args.move:
+        req["moves"] = [list(m) for m in args.move]
+    else:
+        req = {}
+    try:
+        if not req:
+            if not args.status:
+                parser().error("give --table, --balanced, --move or --status")
+            _print_status(args.endpoint, args.timeout, out)
+            return 0
+        reply = call(args.endpoint, req, args.timeout)
+        mid, steps = reply["migration"], reply["steps"]
+        print(f"migration {mid}: {reply['moves']} bins in {steps} steps ({reply['strategy']})", file=out, flush=True)
+        if not args.no_wait:
+            follow(args.endpoint, mid, steps, args.timeout, args.interval, out)
+        if args.status:
+            _print_status(args.endpoint, args.timeout, out)
+        return 0
+    except Rejected as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_REJECTED
+    except EndpointTimeout as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except zmq.ZMQError as e:
+        print(f"error: cannot talk to control endpoint {args.endpoint}: {e}", file=sys.stderr)
+        return EXIT_TIMEOUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
