@@ -88,7 +88,7 @@ class Builder:
                     for s in summ[i][o]:
                         steps.append((Target(n, i), Source(n, o), s))
         for level in sorted({s.keep for _, _, s in steps}):
-            arcs = edges + [(a, b) for a, b, s in steps if s.keep > level or s.add == 0]
+            arcs = edges + [(a, b) for a, b, s in steps if s.keep > level or (s.keep == level and s.add == 0)]
             comp = _components(arcs)
             for a, b, s in steps:
                 if s.keep == level and s.add == 0 and comp[a] == comp[b]:
