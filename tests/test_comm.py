@@ -1,0 +1,477 @@
+"""The ZeroMQ allocator between real processes: ordering, loss, backpressure, handshake, failures.
+
+Every multi-process test forks at most 3 workers through :func:`timely.cluster.supervise`, has a
+timeout, and the ``no_leftovers`` fixture kills and reaps anything left behind, then asserts that
+nothing was.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from timely.cluster import supervise
+from timely.comm import framing
+from timely.comm.endpoints import free_loopback_ports, ipc_endpoints, parse_hostfile, hostfile_endpoints
+from timely.comm.zmq_allocator import AddressInUse, ChannelMismatch, HandshakeError, PeerLost, ZmqAllocator
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, state) of every process whose parent is ``pid`` (from /proc; zombies included)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append((int(entry), fields[0]))
+    return out
+
+
+@pytest.fixture
+def no_leftovers():
+    """Make this process the reaper of orphans, and after the test kill + reap every child left,
+    failing the test if there was any."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    before = {pid for pid, _ in _children(os.getpid())}  # not ours: e.g. other fixtures' servers
+    yield
+    deadline = time.monotonic() + 5
+    left = [c for c in _children(os.getpid()) if c[0] not in before]
+    while left and time.monotonic() < deadline:  # give exiting processes a moment
+        time.sleep(0.05)
+        _reap_zombies(before)
+        left = [c for c in _children(os.getpid()) if c[1] != "Z" and c[0] not in before]
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _reap_zombies(before)
+    assert not left, f"processes left behind: {left}"
+
+
+def _reap_zombies(exclude: set[int]) -> None:
+    for pid, _ in _children(os.getpid()):
+        if pid in exclude:
+            continue
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+@pytest.fixture
+def endpoints(tmp_path):
+    """Three ipc endpoints in a private directory."""
+    return ipc_endpoints(str(tmp_path), 3)
+
+
+def _run(entry, n, collect=0.5):
+    outcomes = supervise(entry, range(n), collect=collect, timeout=50)
+    return outcomes
+
+
+def _results(outcomes):
+    bad = [o for o in outcomes if o.status != "ok"]
+    assert not bad, "\n".join(f"{o.describe()}\n{o.traceback}" for o in bad)
+    return [o.result for o in outcomes]
+
+
+def _drain_until(alloc, pullers, done, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not done():
+        alloc.receive()
+        for puller in pullers:
+            yield from puller.drain()
+        alloc.release()
+        if time.monotonic() > deadline:
+            raise TimeoutError("messages did not arrive")
+        alloc.await_events(0.05)
+    for puller in pullers:
+        yield from puller.drain()
+
+
+# -- framing and endpoints (no processes) ---------------------------------------------------------
+def test_header_roundtrip_and_payload_types():
+    head = framing.pack_header(framing.Kind.DATA, 7, 123456, 2**40)
+    assert len(head) == framing.HEADER.size == 16
+    assert framing.unpack_header(head) == (framing.Kind.DATA, 7, 123456, 2**40)
+    value = {"t": (1, (2, 3)), "l": [1, [2]], 5: b"\x00raw", (1, 2): "s", "big": 2**64 - 1}
+    out = framing.decode(framing.encode(value))
+    assert out == {"t": (1, (2, 3)), "l": (1, (2,)), 5: b"\x00raw", (1, 2): "s", "big": 2**64 - 1}
+    assert type(out["t"]) is tuple and type(out["l"]) is tuple  # lists arrive as tuples
+    with pytest.raises(framing.FramingError):
+        framing.unpack_header(b"\x09" + head[1:])
+    with pytest.raises(TypeError):
+        framing.encode(object())
+    assert framing.decode(framing.encode([1, 2])) == (1, 2)  # the packer recovered
+
+
+def test_hostfile_endpoints():
+    hosts = parse_hostfile("# cluster\nnode1:3000\n\nnode2   # default port\n", 2101)
+    assert hosts == [("node1", 3000), ("node2", 2101)]
+    assert hostfile_endpoints(hosts, 2) == ["tcp://node1:3000", "tcp://node1:3001", "tcp://node2:2101",
+                                            "tcp://node2:2102"]
+
+
+def test_single_worker_is_loopback_only():
+    alloc = ZmqAllocator(0, 1, ["ipc:///nonexistent/unused"], "t")
+    try:
+        (me,), puller = alloc.allocate(0)
+        batch = [(1, 2)]
+        me.push(batch)
+        assert alloc.events() == [0]
+        assert puller.pull() is batch  # by reference: no serialisation on the loopback
+        with pytest.raises(ValueError):
+            alloc.allocate(0)
+    finally:
+        alloc.close()
+
+
+def test_address_in_use_tcp_names_the_address():
+    (port,) = free_loopback_ports(1)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    try:
+        with pytest.raises(AddressInUse, match=f"tcp://127.0.0.1:{port}.*already in use"):
+            ZmqAllocator(0, 2, [f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:1"], "t", startup_timeout=1)
+    finally:
+        holder.close()
+
+
+def test_address_in_use_ipc(tmp_path):
+    path = str(tmp_path / "w0")
+    holder = socket.socket(socket.AF_UNIX)
+    holder.bind(path)
+    holder.listen()
+    try:
+        with pytest.raises(AddressInUse, match="w0.*another process is listening"):
+            ZmqAllocator(0, 2, [f"ipc://{path}", f"ipc://{tmp_path}/w1"], "t", startup_timeout=1)
+    finally:
+        holder.close()
+
+
+# -- between processes -----------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_fifo_no_loss_no_duplicates_several_channels(no_leftovers, endpoints):
+    n, count, channels = 3, 3000, (0, 2, 5)
+
+    def entry(index, report):
+        alloc = ZmqAllocator(index, n, endpoints, "job")
+        try:
+            chans = [alloc.allocate(c) for c in channels]
+            for k in range(count):
+                for c, (pushers, _) in zip(channels, chans):
+                    for pusher in pushers:
+                        pusher.push((index, c, k, [k, "x"], {"k": (k,)}))
+                if k % 50 == 0:
+                    alloc.release()
+            alloc.release()
+            seen: dict[tuple[int, int], list[int]] = {}
+            total = n * count * len(channels)
+            got = 0
+            pullers = [p for _, p in chans]
+            events = set()
+            for msg in _drain_until(alloc, pullers, lambda: got >= total):
+                src, c, k, lst, dct = msg
+                assert type(msg) is tuple and dct == {"k": (k,)}
+                # Remote lists arrive as tuples; the loopback passes the very object pushed.
+                assert lst == ([k, "x"] if src == index else (k, "x"))
+                seen.setdefault((src, c), []).append(k)
+                got += 1
+                events.update(alloc.events())
+            ok = sorted(seen) == [(s, c) for s in range(n) for c in channels] and all(
+                v == list(range(count)) for v in seen.values())
+            report((ok, got, sorted(events)))
+        finally:
+            alloc.close()
+
+    for ok, got, events in _results(_run(entry, n)):
+        assert ok and got == n * count * len(channels)
+        assert set(events) <= set(channels)
+
+
+@pytest.mark.timeout(60)
+def test_messages_for_a_channel_not_yet_allocated_are_kept(no_leftovers, endpoints):
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 2, endpoints[:2], "job")
+        try:
+            if index == 1:
+                pushers, _ = alloc.allocate(4)
+                for k in range(100):
+                    pushers[0].push(k)
+                alloc.close()
+                report(None)
+                return
+            time.sleep(0.5)  # worker 1 is ahead: its messages arrive before we allocate
+            alloc.receive()
+            _, puller = alloc.allocate(4)
+            assert 4 in alloc.events()
+            got: list[int] = []
+            for m in _drain_until(alloc, [puller], lambda: len(got) >= 100):
+                got.append(m)
+            report(got)
+        finally:
+            alloc.close()
+
+    assert _results(_run(entry, 2))[0] == list(range(100))
+
+
+@pytest.mark.timeout(60)
+def test_channel_mismatch_is_a_loud_error(no_leftovers, endpoints):
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 2, endpoints[:2], "job")
+        try:
+            if index == 1:
+                alloc.allocate(1)[0][0].push("hello")
+                alloc.release()
+                time.sleep(1.0)
+                report(None)
+                return
+            alloc.allocate(0)
+            try:
+                time.sleep(0.3)
+                alloc.receive()
+                alloc.allocate(2)  # skipped 1: built a different dataflow
+                for _ in range(100):
+                    alloc.receive()
+                    alloc.await_events(0.05)
+            except ChannelMismatch as exc:
+                report(str(exc))
+                return
+            report(None)
+        finally:
+            alloc.close()
+
+    message = _results(_run(entry, 2))[0]
+    assert message and "worker 1 sent a message on channel 1" in message and "same order" in message
+
+
+@pytest.mark.timeout(60)
+def test_clean_close_delivers_everything_to_a_late_reader(no_leftovers, endpoints):
+    """The sender closes right after pushing; the receiver starts reading a second later."""
+    count = 20000
+
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 2, endpoints[:2], "job", hwm=16)
+        try:
+            pushers, puller = alloc.allocate(0)
+            if index == 0:
+                for k in range(count):
+                    pushers[1].push((k, list(range(10))))
+                alloc.release()
+                report(None)
+                return
+            time.sleep(1.0)
+            got: list[int] = []
+            for m in _drain_until(alloc, [puller], lambda: len(got) >= count):
+                got.append(m[0])
+            report(got == list(range(count)))
+        finally:
+            alloc.close()
+
+    assert _results(_run(entry, 2)) == [None, True]
+
+
+@pytest.mark.timeout(60)
+def test_slow_consumer_bounds_the_producer_backlog(no_leftovers, endpoints):
+    bound, batches, size = 256 << 10, 300, 1000
+
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 2, endpoints[:2], "job", hwm=4, backlog_bytes=bound)
+        try:
+            pushers, puller = alloc.allocate(0)
+            if index == 0:
+                peer = alloc._peers[1]
+                worst = 0
+                start = time.monotonic()
+                for b in range(batches):
+                    pushers[1].push([(b, i) for i in range(size)])
+                    alloc.release()
+                    worst = max(worst, peer.backlog_bytes)
+                report((worst, time.monotonic() - start))
+                return
+            got = 0
+            while got < batches:  # a slow consumer: about 4 ms per batch
+                alloc.receive()
+                for batch in puller.drain():
+                    assert batch[0] == (got, 0) and len(batch) == size
+                    got += 1
+                    time.sleep(0.004)
+                alloc.await_events(0.05)
+            report(got)
+        finally:
+            alloc.close()
+
+    (worst, elapsed), got = _results(_run(entry, 2))
+    assert got == batches
+    assert worst <= bound, f"backlog grew to {worst} bytes, bound {bound}"
+    assert elapsed > batches * 0.004 * 0.5, "the producer was not slowed down by its consumer"
+
+
+@pytest.mark.timeout(60)
+def test_two_workers_flooding_each_other_do_not_deadlock(no_leftovers, endpoints):
+    batches, size = 200, 10000
+
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 2, endpoints[:2], "job", hwm=4, backlog_bytes=1 << 20)
+        try:
+            pushers, puller = alloc.allocate(0)
+            other = 1 - index
+            batch = [(index, i) for i in range(size)]
+            for _ in range(batches):  # never receives explicitly: only release() does, when full
+                pushers[other].push(batch)
+                alloc.release()
+            got = []
+            for b in _drain_until(alloc, [puller], lambda: len(got) >= batches):
+                got.append(len(b))
+            report(sum(got))
+        finally:
+            alloc.close()
+
+    assert _results(_run(entry, 2)) == [batches * size] * 2
+
+
+@pytest.mark.timeout(60)
+def test_wrong_token_is_rejected(no_leftovers, endpoints):
+    def entry(index, report):
+        try:
+            ZmqAllocator(index, 2, endpoints[:2], f"job-{index}", startup_timeout=5).close()
+        except HandshakeError as exc:
+            report(str(exc))
+            return
+        report(None)
+
+    for message in _results(_run(entry, 2, collect=10)):
+        assert message is not None and "token" in message, message
+
+
+@pytest.mark.timeout(60)
+def test_killed_peer_raises_peer_lost_quickly(no_leftovers, endpoints):
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 3, endpoints, "job")
+        try:
+            pushers, puller = alloc.allocate(0)
+            for p in pushers:
+                p.push(index)
+            alloc.release()
+            hello: list[int] = []
+            for m in _drain_until(alloc, [puller], lambda: len(hello) >= 3):
+                hello.append(m)
+            if index == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            start = time.monotonic()
+            try:
+                while time.monotonic() - start < 20:
+                    alloc.receive()
+                    alloc.await_events(None)
+            except PeerLost as exc:
+                report((exc.peer, str(exc), time.monotonic() - start))
+                return
+            report(None)
+        finally:
+            alloc.close()
+
+    outcomes = _run(entry, 3, collect=15)
+    assert outcomes[2].status == "killed" and outcomes[2].signal == signal.SIGKILL
+    lost = []
+    for o in outcomes[:2]:
+        assert o.status == "ok", o.traceback
+        peer, message, elapsed = o.result
+        # Each survivor either notices worker 2 itself, or first hears the other survivor's ABORT,
+        # whose reason names worker 2.
+        assert "lost worker 2" in message, message
+        assert elapsed < 5.0
+        lost.append(peer)
+    assert 2 in lost
+
+
+@pytest.mark.timeout(60)
+def test_abort_tells_peers_why(no_leftovers, endpoints):
+    def entry(index, report):
+        if index == 1:
+            ZmqAllocator(index, 2, endpoints[:2], "job").close(abort="ValueError: the reason")
+            report(None)
+            return
+        alloc = None
+        try:
+            # The ABORT may even arrive while the constructor still waits for worker 1's WELCOME.
+            alloc = ZmqAllocator(index, 2, endpoints[:2], "job")
+            while True:
+                alloc.receive()
+                alloc.await_events(None)
+        except PeerLost as exc:
+            report(str(exc))
+        finally:
+            if alloc is not None:
+                alloc.close()
+
+    message = _results(_run(entry, 2))[0]
+    assert "worker 1 failed: ValueError: the reason" in message
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_worker_uses_no_cpu(no_leftovers, endpoints):
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 2, endpoints[:2], "job")
+        try:
+            alloc.allocate(0)
+            cpu = time.process_time()
+            alloc.await_events(1.0)
+            report(time.process_time() - cpu)
+        finally:
+            alloc.close()
+
+    for cpu in _results(_run(entry, 2)):
+        assert cpu < 0.05
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_peer_is_detected_by_heartbeats(no_leftovers, endpoints):
+    """A stopped process keeps its sockets open but stops answering ZMTP heartbeats (like a hung
+    or unreachable host): its peers raise PeerLost after the heartbeat timeout."""
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 3, endpoints, "job", heartbeat_ivl=0.5, heartbeat_timeout=2.0)
+        try:
+            pushers, puller = alloc.allocate(0)
+            for p in pushers:
+                p.push((index, os.getpid()))
+            alloc.release()
+            pids: dict[int, int] = {}
+            for who, pid in _drain_until(alloc, [puller], lambda: len(pids) >= 3):
+                pids[who] = pid
+            if index == 2:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            start = time.monotonic()
+            try:
+                while time.monotonic() - start < 20:
+                    alloc.receive()
+                    alloc.await_events(None)
+            except PeerLost as exc:
+                elapsed = time.monotonic() - start
+                if index == 0:
+                    os.kill(pids[2], signal.SIGKILL)  # the supervisor can only SIGKILL a stopped one
+                report(("lost worker 2" in str(exc), elapsed))
+                return
+            report(None)
+        finally:
+            alloc.close()
+
+    outcomes = _run(entry, 3, collect=15)
+    assert outcomes[2].status == "killed"
+    for o in outcomes[:2]:
+        assert o.status == "ok", o.traceback
+        named, elapsed = o.result
+        assert named and 1.0 < elapsed < 8.0

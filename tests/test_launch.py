@@ -1,0 +1,344 @@
+"""``python -m timely.launch`` and ``timely.cluster.execute_cluster`` end to end.
+
+Every test bounds its run time, starts at most 4 worker processes at once, and the ``no_leftovers``
+fixture (this process becomes the reaper of orphans) kills and reaps anything left behind, then
+asserts that nothing was.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import timely
+from timely.cluster import WorkerError, execute_cluster
+from timely.comm.endpoints import free_loopback_ports
+
+_PR_SET_CHILD_SUBREAPER = 36
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, state) of every process whose parent is ``pid`` (from /proc; zombies included)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append((int(entry), fields[0]))
+    return out
+
+
+def _reap_zombies(exclude: set[int]) -> None:
+    for pid, _ in _children(os.getpid()):
+        if pid in exclude:
+            continue
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+@pytest.fixture
+def no_leftovers():
+    """After the test, kill and reap every child (orphaned workers included) and fail if any."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    before = {pid for pid, _ in _children(os.getpid())}  # not ours: e.g. other fixtures' servers
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:  # launchers the test could not finish with
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    deadline = time.monotonic() + 5
+    _reap_zombies(before)
+    left = [c for c in _children(os.getpid()) if c[1] != "Z" and c[0] not in before]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        _reap_zombies(before)
+        left = [c for c in _children(os.getpid()) if c[1] != "Z" and c[0] not in before]
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    time.sleep(0.1)
+    _reap_zombies(before)
+    assert not left, f"processes left behind: {left}"
+
+
+def _job(tmp_path, name: str, source: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def _launch(started, *argv: str, timeout: float = 40.0) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen([sys.executable, "-m", "timely.launch", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    started.append(proc)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# A deterministic job: each worker keys records by field 0, exchanges them, and prints what it got.
+EXCHANGE_JOB = """
+    import sys
+
+    def main(worker):
+        n = int(worker.args[0])
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            got = []
+            probe = inp.stream.exchange(0).inspect(got.append).probe()
+        for epoch in range(3):
+            inp.send_batch([(k, epoch) for k in range(worker.index, n, worker.peers)])
+            inp.advance_to(epoch + 1)
+            worker.step_while(lambda: probe.less_than(inp.time))
+        inp.close()
+        worker.finish()
+        sys.stdout.write(f"RESULT {worker.index}/{worker.peers} {worker.args} {sorted(got)}\\n")
+        sys.stdout.flush()
+"""
+
+FOREVER_JOB = """
+    import sys
+
+    def main(worker):
+        sys.stdout.write(f"ready {worker.index}\\n")
+        sys.stdout.flush()
+        worker.step_while(lambda: True)
+"""
+
+
+def _results(stdout: str) -> list[str]:
+    return sorted(line for line in stdout.splitlines() if line.startswith("RESULT"))
+
+
+# -- python -m timely.launch --------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_job_runs_on_two_workers(tmp_path, no_leftovers):
+    job = _job(tmp_path, "job.py", EXCHANGE_JOB)
+    run = _launch(no_leftovers, "-w", "2", job, "40", "--flag")
+    assert run.returncode == 0, run.stderr
+    lines = _results(run.stdout)
+    assert [line.split()[1] for line in lines] == ["0/2", "1/2"]
+    assert all("['40', '--flag']" in line for line in lines)
+    records = sum(line.count("(") for line in lines)
+    assert records == 40 * 3  # every record arrived exactly once, on one worker
+
+
+@pytest.mark.timeout(60)
+def test_two_hosts_on_loopback_match_one_host(tmp_path, no_leftovers):
+    job = _job(tmp_path, "job.py", EXCHANGE_JOB)
+    one = _launch(no_leftovers, "-w", "4", job, "50")
+    assert one.returncode == 0, one.stderr
+    base = free_loopback_ports(1)[0]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"127.0.0.1:{base}\nlocalhost:{base + 10}\n")
+    procs = []
+    for host in (1, 0):
+        proc = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", "--hostfile", str(hostfile),
+                                 "--host-index", str(host), job, "50"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        no_leftovers.append(proc)
+        procs.append(proc)
+    outputs = [p.communicate(timeout=40) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outputs]
+    two = _results("".join(out for out, _ in outputs))
+    assert [line.replace("/4", "") for line in two] == [line.replace("/4", "") for line in _results(one.stdout)]
+    assert [line.split()[1] for line in two] == ["0/4", "1/4", "2/4", "3/4"]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_raises_stops_the_job(tmp_path, no_leftovers):
+    job = _job(tmp_path, "boom.py", """
+        def main(worker):
+            if worker.index == 1:
+                raise ValueError("bad thing on purpose")
+            worker.step_while(lambda: True)
+    """)
+    start = time.monotonic()
+    run = _launch(no_leftovers, "-w", "2", job)
+    assert run.returncode == 1
+    assert "worker 1 failed" in run.stderr
+    assert "boom.py\", line 4, in main" in run.stderr and "ValueError: bad thing on purpose" in run.stderr
+    assert time.monotonic() - start < 15
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_by_a_signal_is_reported(tmp_path, no_leftovers):
+    job = _job(tmp_path, "kill.py", """
+        import os, signal
+
+        def main(worker):
+            if worker.index == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            worker.step_while(lambda: True)
+    """)
+    start = time.monotonic()
+    run = _launch(no_leftovers, "-w", "2", job)
+    assert run.returncode == 1
+    assert "worker 1 was killed by signal SIGKILL" in run.stderr
+    assert time.monotonic() - start < 15
+
+
+@pytest.mark.timeout(30)
+def test_syntax_error_starts_no_worker(tmp_path, no_leftovers):
+    job = _job(tmp_path, "syn.py", """
+        def main(worker):
+            return (1,
+    """)
+    run = _launch(no_leftovers, "-w", "2", job)
+    assert run.returncode == 2
+    assert f"{job}:3" in run.stderr and "SyntaxError" in run.stderr
+
+
+@pytest.mark.timeout(30)
+def test_job_without_main(tmp_path, no_leftovers):
+    job = _job(tmp_path, "nomain.py", """
+        def mian(worker):
+            pass
+    """)
+    run = _launch(no_leftovers, "-w", "2", job)
+    assert run.returncode == 2
+    assert "nomain.py" in run.stderr and "no main(worker)" in run.stderr
+    missing = _launch(no_leftovers, "-w", "2", str(tmp_path / "absent.py"))
+    assert missing.returncode == 2 and "absent.py" in missing.stderr
+
+
+@pytest.mark.timeout(60)
+def test_two_jobs_at_once_on_one_host(tmp_path, no_leftovers):
+    job = _job(tmp_path, "job.py", EXCHANGE_JOB)
+    procs = [subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job, str(n)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for n in (30, 60)]
+    no_leftovers.extend(procs)
+    outputs = [p.communicate(timeout=40) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outputs]
+    for (out, _), n in zip(outputs, (30, 60)):
+        assert sum(line.count("(") for line in _results(out)) == 3 * n
+
+
+@pytest.mark.timeout(60)
+def test_port_in_use_is_a_clear_error(tmp_path, no_leftovers):
+    job = _job(tmp_path, "job.py", EXCHANGE_JOB)
+    (port,) = free_loopback_ports(1)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    try:
+        run = _launch(no_leftovers, "-w", "2", "--transport", "tcp", "--port", str(port), job, "10")
+    finally:
+        holder.close()
+    assert run.returncode == 1
+    assert f"tcp://127.0.0.1:{port}" in run.stderr and "already in use" in run.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_stops_every_worker(tmp_path, no_leftovers, sig, status):
+    job = _job(tmp_path, "forever.py", FOREVER_JOB)
+    proc = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    no_leftovers.append(proc)
+    seen = b""
+    deadline = time.monotonic() + 20
+    while seen.count(b"ready") < 2 and time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            chunk = os.read(proc.stdout.fileno(), 4096)  # unbuffered: select must see what is left
+            if not chunk:
+                break
+            seen += chunk
+    assert seen.count(b"ready") == 2, seen
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # what Ctrl-C in a terminal does: the whole foreground group
+    else:
+        proc.send_signal(sig)
+    start = time.monotonic()
+    proc.communicate(timeout=20)
+    assert proc.returncode == status
+    assert time.monotonic() - start < 10
+
+
+# -- execute_cluster / timely.execute ----------------------------------------------------------------
+def _sum_job(worker):
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        got = []
+        probe = inp.stream.exchange(None).inspect(got.append).probe()
+    inp.send_batch(list(range(worker.index * 100, worker.index * 100 + 100)))
+    inp.advance_to(1)
+    worker.step_while(lambda: probe.less_than(inp.time))
+    inp.close()
+    return (worker.index, worker.peers, worker.args, sum(got), len(got))
+
+
+@pytest.mark.timeout(60)
+def test_execute_cluster_returns_results_by_index(no_leftovers):
+    results = execute_cluster(_sum_job, 3, ["x"])
+    assert [r[:3] for r in results] == [(0, 3, ["x"]), (1, 3, ["x"]), (2, 3, ["x"])]
+    assert sum(r[3] for r in results) == sum(range(300)) and sum(r[4] for r in results) == 300
+
+
+@pytest.mark.timeout(60)
+def test_execute_cluster_over_tcp(no_leftovers):
+    results = execute_cluster(_sum_job, 2, transport="tcp")
+    assert sum(r[4] for r in results) == 200
+
+
+@pytest.mark.timeout(60)
+def test_timely_execute_uses_the_cluster(no_leftovers):
+    results = timely.execute(_sum_job, workers=2)
+    assert [r[0] for r in results] == [0, 1] and sum(r[4] for r in results) == 200
+
+
+@pytest.mark.timeout(60)
+def test_execute_cluster_reports_the_failing_worker(no_leftovers):
+    def main(worker):
+        if worker.index == 2:
+            raise KeyError("missing on purpose")
+        worker.step_while(lambda: True)
+
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        execute_cluster(main, 3)
+    assert info.value.index == 2
+    assert "KeyError: 'missing on purpose'" in info.value.remote_traceback
+    assert "test_launch.py" in info.value.remote_traceback
+    assert str(info.value).startswith("worker 2 failed")
+    assert time.monotonic() - start < 15
+
+
+@pytest.mark.timeout(60)
+def test_execute_cluster_reports_a_killed_worker(no_leftovers):
+    def main(worker):
+        if worker.index == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        worker.step_while(lambda: True)
+
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="worker 0 was killed by signal SIGKILL") as info:
+        execute_cluster(main, 2)
+    assert info.value.index == 0 and info.value.signal == signal.SIGKILL
+    assert time.monotonic() - start < 15
+
+
+@pytest.mark.timeout(60)
+def test_execute_cluster_unpicklable_result(no_leftovers):
+    with pytest.raises(WorkerError, match="worker 0 failed"):
+        execute_cluster(lambda worker: (lambda: None), 2)

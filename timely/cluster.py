@@ -1,0 +1,364 @@
+"""Running workers as supervised processes on this host.
+
+:func:`execute_cluster` runs ``main(worker)`` in ``workers`` forked processes connected by a
+:class:`~timely.comm.zmq_allocator.ZmqAllocator` and returns their results by index.
+:func:`supervise` is the process supervision it is built on, shared with ``python -m timely.launch``:
+
+* children are forked (so closures work) and create their ZeroMQ context only after the fork;
+* each child dies with its parent (``PR_SET_PDEATHSIG`` = SIGKILL on Linux), ignores SIGINT (the
+  parent handles Ctrl-C for all) and exits cleanly on SIGTERM;
+* the parent waits on result pipes and process sentinels with timeouts, never blocking forever;
+  when a worker fails or dies (even by SIGKILL), the others are stopped (SIGTERM, then SIGKILL
+  after ``grace`` seconds) and every child is reaped before :func:`supervise` returns.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .comm.endpoints import free_loopback_ports, ipc_endpoints, loopback_endpoints
+
+__all__ = ["WorkerError", "Outcome", "supervise", "run_worker", "execute_cluster"]
+
+#: Seconds a stopped worker gets between SIGTERM and SIGKILL.
+STOP_GRACE = 3.0
+#: Seconds to keep collecting outcomes after the first failure (to find the root cause).
+COLLECT_WINDOW = 0.5
+_PR_SET_PDEATHSIG = 1
+
+
+class WorkerError(RuntimeError):
+    """A worker raised or died. ``index`` names it; ``remote_traceback`` holds its traceback text
+    (``None`` if it died without one) and ``signal`` the signal that killed it, if any."""
+
+    def __init__(self, index: int, message: str, remote_traceback: str | None = None,
+                 signal_number: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+        self.remote_traceback = remote_traceback
+        self.signal = signal_number
+
+
+@dataclass
+class Outcome:
+    """How one worker process ended.
+
+    ``status`` is ``"ok"`` (result delivered, exit status 0), ``"error"`` (raised; ``traceback``),
+    ``"killed"`` (died by ``signal``), ``"exited"`` (exited with ``exitcode`` without a result) or
+    ``"stopped"`` (stopped by the supervisor because another worker failed). ``secondary`` marks a
+    failure caused by another worker's (the worker lost a peer).
+    """
+
+    index: int
+    status: str = "running"
+    result: Any = None
+    traceback: str | None = None
+    summary: str | None = None
+    secondary: bool = False
+    exitcode: int | None = None
+    signal: int | None = None
+
+    @property
+    def failed(self) -> bool:
+        """True if the worker raised, died, or was stopped."""
+        return self.status in ("error", "killed", "exited", "stopped")
+
+    def describe(self) -> str:
+        """One line naming the worker and how it ended."""
+        if self.status == "error":
+            return f"worker {self.index} failed: {self.summary}"
+        if self.status == "killed":
+            return f"worker {self.index} was killed by signal {signal_name(self.signal)}"
+        if self.status == "exited":
+            return f"worker {self.index} exited with status {self.exitcode} without a result"
+        if self.status == "stopped":
+            return f"worker {self.index} was stopped"
+        return f"worker {self.index}: {self.status}"
+
+
+def signal_name(number: int | None) -> str:
+    """``SIGKILL`` for 9, and so on."""
+    try:
+        return signal.Signals(number).name
+    except (ValueError, TypeError):
+        return f"signal {number}"
+
+
+#: Files whose frames are left out at the top of a reported traceback (the runner's own).
+_RUNNER_FILES = {__file__, os.path.join(os.path.dirname(__file__), "launch.py")}
+
+
+class _Stopped(BaseException):
+    """Raised in a worker by SIGTERM: the supervisor is stopping it."""
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    # Linux only: the kernel SIGKILLs us when the parent (thread) dies, even by SIGKILL.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Stopped()
+
+
+def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
+           conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
+    """Body of a worker process: run ``entry(index, report)`` and report how it went."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops everyone
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    def report(result: Any) -> None:
+        conn.send_bytes(pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
+
+    code = 0
+    try:
+        entry(index, report)
+    except _Stopped:
+        code = 128 + signal.SIGTERM
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
+        from .comm.zmq_allocator import PeerLost
+
+        code = 1
+        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
+            tb = tb.tb_next  # start the traceback at the job's code, not at the runner's frames
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        try:
+            conn.send_bytes(pickle.dumps(("error", text, summary, isinstance(exc, PeerLost))))
+        except Exception:
+            pass
+    finally:
+        try:
+            conn.close()
+        except Exception:
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
+
+
+def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequence[int], *,
+              grace: float = STOP_GRACE, timeout: float | None = None, collect: float = COLLECT_WINDOW,
+              on_failure: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+    """Run ``entry(index, report)`` in one forked process per index; return their outcomes.
+
+    ``report(value)`` hands a picklable result to the parent. A worker succeeds when it reported
+    and exited with status 0. When one fails, ``on_failure`` is called once with the first failure
+    and the others are stopped ``collect`` seconds later (meanwhile further outcomes are gathered,
+    to tell the root cause from its consequences). ``timeout`` seconds (``None``: no limit) bounds the whole run; on
+    expiry everyone is stopped and :class:`TimeoutError` raised. Every child is reaped on return,
+    on error and on ``KeyboardInterrupt``.
+    """
+    ctx = multiprocessing.get_context("fork")
+    outcomes = {i: Outcome(i) for i in indices}
+    procs: dict[int, Any] = {}
+    conns: dict[Any, int] = {}
+    start = time.monotonic()
+    try:
+        for i in indices:
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, args=(entry, i, writer, os.getpid()),
+                               name=f"timely-worker-{i}", daemon=False)
+            proc.start()
+            writer.close()
+            procs[i] = proc
+            conns[reader] = i
+        live = {procs[i].sentinel: i for i in indices}
+        stop_at: float | None = None
+        while live:
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise TimeoutError(f"workers {sorted(live.values())} still running after {timeout} s")
+            for obj in multiprocessing.connection.wait([*conns, *live], timeout=0.2):
+                if obj in conns:
+                    _read_report(obj, conns, outcomes)
+                elif obj in live:
+                    i = live.pop(obj)
+                    _reap(procs[i], outcomes[i], conns)
+            failures = [o for o in outcomes.values() if o.failed]
+            if failures and stop_at is None:
+                stop_at = time.monotonic() + collect
+            if stop_at is not None and time.monotonic() >= stop_at:
+                if on_failure is not None:
+                    on_failure(primary_failure(list(outcomes.values())))
+                    on_failure = None
+                _stop(procs, live, outcomes, conns, grace)
+                live.clear()
+        if on_failure is not None and any(o.failed for o in outcomes.values()):
+            on_failure(primary_failure(list(outcomes.values())))
+    finally:
+        _stop(procs, {p.sentinel: i for i, p in procs.items() if p.exitcode is None}, outcomes, conns, grace)
+        for c in list(conns):
+            c.close()
+    return [outcomes[i] for i in indices]
+
+
+def _read_report(conn: Any, conns: dict[Any, int], outcomes: dict[int, Outcome]) -> None:
+    i = conns[conn]
+    try:
+        data = conn.recv_bytes()
+    except (EOFError, OSError):
+        del conns[conn]
+        conn.close()
+        return
+    try:
+        message = pickle.loads(data)
+    except Exception as exc:  # a result that cannot be unpickled here
+        message = ("error", f"the result of worker {i} cannot be unpickled: {exc!r}", repr(exc), False)
+    out = outcomes[i]
+    if message[0] == "ok":
+        out.result = message[1]
+        out.status = "reported"  # "ok" once it also exits with status 0
+    else:
+        _, out.traceback, out.summary, out.secondary = message
+        out.status = "error"
+
+
+def _reap(proc: Any, out: Outcome, conns: dict[Any, int]) -> None:
+    """Record how ``proc`` ended (after reading whatever it still had to say)."""
+    proc.join(1.0)
+    for c, i in list(conns.items()):
+        if i == out.index:
+            while c.poll(0):
+                _read_report(c, conns, {out.index: out})
+                if c not in conns:
+                    break
+    code = proc.exitcode
+    out.exitcode = code
+    if out.status == "error":
+        return
+    if code is not None and code < 0:
+        out.status, out.signal = "killed", -code
+    elif code == 128 + signal.SIGTERM and out.status != "reported":
+        out.status = "stopped"
+    elif code == 0 and out.status == "reported":
+        out.status = "ok"
+    else:
+        out.status = "exited"
+
+
+def _stop(procs: dict[int, Any], live: dict[Any, int], outcomes: dict[int, Outcome],
+          conns: dict[Any, int], grace: float) -> None:
+    """SIGTERM every live worker, SIGKILL those still alive after ``grace`` s, reap them all."""
+    for i in live.values():
+        if procs[i].exitcode is None:
+            try:
+                procs[i].terminate()
+            except OSError:
+                pass
+    deadline = time.monotonic() + grace
+    pending = dict(live)
+    while pending and time.monotonic() < deadline:
+        for s in multiprocessing.connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+            pending.pop(s, None)
+    for i in pending.values():
+        try:
+            procs[i].kill()
+        except OSError:
+            pass
+    for i in live.values():
+        procs[i].join(5.0)
+        out = outcomes[i]
+        if out.status in ("running", "reported"):
+            _reap(procs[i], out, conns)
+            if out.status in ("exited", "killed") and not out.secondary:
+                out.status = "stopped"  # we stopped it; it did not fail by itself
+
+
+def primary_failure(outcomes: list[Outcome]) -> Outcome:
+    """The failure to report: the first that was not caused by losing a peer, if any."""
+    failed = [o for o in outcomes if o.failed and o.status != "stopped"]
+    for o in failed:
+        if not o.secondary:
+            return o
+    return failed[0] if failed else next(o for o in outcomes if o.failed)
+
+
+def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: list[str], token: str,
+               args: Sequence[str], report: Callable[[Any], None], **options: Any) -> None:
+    """The per-process run sequence: allocator -> ``Worker`` -> ``main`` -> ``finish`` -> report -> close.
+
+    On failure the allocator is closed with ``abort`` so the peers learn at once which worker failed.
+    """
+    from .comm.zmq_allocator import ZmqAllocator
+    from .worker import Worker
+
+    alloc = ZmqAllocator(index, peers, endpoints, token, **options)
+    try:
+        worker = Worker(alloc, list(args))
+        result = main(worker)
+        worker.finish()
+        report(result)
+    except BaseException as exc:
+        reason = "stopped" if isinstance(exc, _Stopped) else f"{type(exc).__name__}: {exc}"
+        alloc.close(abort=reason)
+        raise
+    alloc.close()
+
+
+def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str] | None = None, *,
+                    transport: str = "ipc", timeout: float | None = None, grace: float = STOP_GRACE,
+                    **options: Any) -> list[Any]:
+    """Run ``main(worker)`` in ``workers`` processes on this host; return each result by index.
+
+    Results must be picklable. ``transport`` is ``"ipc"`` (Unix sockets in a private temporary
+    directory) or ``"tcp"`` (free ports on 127.0.0.1). ``options`` go to the
+    :class:`~timely.comm.zmq_allocator.ZmqAllocator`. Raises :class:`WorkerError` naming the first
+    worker that failed (with its traceback text) after stopping the others.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, not {workers}")
+    token = secrets.token_hex(16)
+    directory = None
+    if transport == "ipc":
+        directory = tempfile.mkdtemp(prefix="timely-")
+        endpoints = ipc_endpoints(directory, workers)
+    elif transport == "tcp":
+        ports = free_loopback_ports(workers)
+        endpoints = [loopback_endpoints(p, 1)[0] for p in ports]
+    else:
+        raise ValueError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
+    job_args = list(args or [])
+
+    def entry(index: int, report: Callable[[Any], None]) -> None:
+        run_worker(main, index, workers, endpoints, token, job_args, report, **options)
+
+    try:
+        outcomes = supervise(entry, range(workers), grace=grace, timeout=timeout)
+    finally:
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+    if any(o.failed for o in outcomes):
+        raise failure_error(outcomes)
+    return [o.result for o in outcomes]
+
+
+def failure_error(outcomes: list[Outcome]) -> WorkerError:
+    """The :class:`WorkerError` describing a failed run (its primary failure, then the rest)."""
+    first = primary_failure(outcomes)
+    message = first.describe()
+    if first.traceback:
+        message += "\n\nRemote traceback (worker %d):\n%s" % (first.index, first.traceback.rstrip())
+    others = [o.describe() for o in outcomes if o.failed and o is not first]
+    if others:
+        message += "\n\nThen: " + "; ".join(others)
+    return WorkerError(first.index, message, first.traceback, first.signal)

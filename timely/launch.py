@@ -1,0 +1,237 @@
+"""Run a job file on worker processes: ``python -m timely.launch -w N job.py [args...]``.
+
+Each worker process imports ``job.py`` and calls its ``main(worker)``; ``worker.args`` holds the
+arguments after the job file. Across hosts, every host runs the same command with a shared hostfile
+(one ``host[:baseport]`` line per host) and its own ``--host-index``::
+
+    python -m timely.launch -w 4 --hostfile hosts.txt --host-index 0 job.py   # on host 0
+    python -m timely.launch -w 4 --hostfile hosts.txt --host-index 1 job.py   # on host 1
+
+Worker indices are global: ``host_index * N + local index``. Worker ``l`` of a host listens on
+``baseport + l`` over tcp; on one host, workers talk over Unix sockets (``--transport ipc``, the
+default) or loopback tcp from ``--port``.
+
+Exit status: 0 when every worker on this host finished cleanly; 1 when a worker raised (its index
+and traceback are printed) or died (its index and signal are printed), after stopping the others;
+2 for a usage error or a job file that cannot run (syntax error, no ``main``), before any worker
+starts; 130 on Ctrl-C, 143 on SIGTERM.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib.util
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from typing import Any, Callable, Sequence
+
+from .cluster import Outcome, primary_failure, run_worker, supervise
+from .comm.endpoints import DEFAULT_PORT, HostfileError, hostfile_endpoints, ipc_endpoints, loopback_endpoints, parse_hostfile
+
+#: Name the job module is imported under in each worker.
+JOB_MODULE = "timely_job"
+
+
+class JobFileError(Exception):
+    """A job file that cannot be run (missing, a syntax error, no ``main``)."""
+
+
+def check_job(path: str) -> None:
+    """Compile ``path`` and check it defines ``main`` at top level, without running it."""
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as exc:
+        raise JobFileError(f"cannot read job file {path}: {exc.strerror}") from None
+    try:
+        tree = compile(source, path, "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+        compile(tree, path, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        where = f"{exc.filename or path}:{exc.lineno}" + (f":{exc.offset}" if exc.offset else "")
+        text = f"\n    {exc.text.rstrip()}" if exc.text else ""
+        raise JobFileError(f"{where}: {type(exc).__name__}: {exc.msg}{text}") from None
+    except ValueError as exc:  # e.g. null bytes
+        raise JobFileError(f"{path}: {exc}") from None
+    if not _defines(tree.body, "main"):
+        raise JobFileError(f"{path}: the job file defines no main(worker) function at top level")
+
+
+def _defines(body: list[ast.stmt], name: str) -> bool:
+    """True if the statements bind ``name`` at module level (def, assignment, import, or inside
+    a top-level if / try / with block)."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t)):
+                return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any((a.asname or a.name.split(".")[0]) == name or a.name == "*" for a in node.names):
+                return True
+        nested: list[list[ast.stmt]] = []
+        if isinstance(node, (ast.If, ast.For, ast.While)):
+            nested = [node.body, node.orelse]
+        elif isinstance(node, ast.With):
+            nested = [node.body]
+        elif isinstance(node, ast.Try):
+            nested = [node.body, node.orelse, node.finalbody] + [h.body for h in node.handlers]
+        if any(_defines(b, name) for b in nested):
+            return True
+    return False
+
+
+def load_job(path: str) -> Any:
+    """Import the job file as module :data:`JOB_MODULE` (its directory goes first on ``sys.path``)."""
+    path = os.path.abspath(path)
+    sys.path.insert(0, os.path.dirname(path))
+    spec = importlib.util.spec_from_file_location(JOB_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[JOB_MODULE] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def job_token(job: str, args: Sequence[str], hosts: list[tuple[str, int]], workers: int) -> str:
+    """A token every host derives alike for the same job (file contents, args, hosts, size)."""
+    h = hashlib.sha256()
+    with open(job, "rb") as f:
+        h.update(f.read())
+    h.update(repr((list(args), hosts, workers)).encode())
+    return h.hexdigest()[:32]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m timely.launch",
+        description="Run job.py's main(worker) on N worker processes (per host).",
+        epilog="Arguments after the job file are passed to the job as worker.args.")
+    p.add_argument("-w", "--workers", type=int, default=1, metavar="N", help="worker processes on this host (default 1)")
+    p.add_argument("--hostfile", metavar="FILE", help="one host[:baseport] line per host; every host runs -w N workers")
+    p.add_argument("--host-index", type=int, default=0, metavar="I", help="this host's line in the hostfile (from 0)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, metavar="BASE",
+                   help=f"first tcp port (default {DEFAULT_PORT}); worker l of a host listens on BASE+l")
+    p.add_argument("--transport", choices=["ipc", "tcp"], default=None,
+                   help="ipc (Unix sockets, one host only; the default without a hostfile) or tcp")
+    p.add_argument("--token", default=os.environ.get("TIMELY_TOKEN"),
+                   help="job token shared by all hosts (default: derived from the job file, args and hostfile)")
+    p.add_argument("--startup-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds to wait for all workers to connect (default 30)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="stop the job after S seconds")
+    p.add_argument("job", help="the job file: a Python file defining main(worker)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the job (worker.args)")
+    return p
+
+
+def _error(message: str) -> int:
+    sys.stderr.write(f"timely.launch: error: {message}\n")
+    return 2
+
+
+def _report(outcomes: list[Outcome]) -> None:
+    """Print the primary failure (with its traceback) and one line for every other failure."""
+    first = primary_failure(outcomes)
+    if first.status == "error":
+        sys.stderr.write(f"timely.launch: worker {first.index} failed:\n{first.traceback.rstrip()}\n")
+    else:
+        sys.stderr.write(f"timely.launch: {first.describe()}\n")
+    for o in outcomes:
+        if o.failed and o is not first:
+            sys.stderr.write(f"timely.launch: {o.describe()}\n")
+
+
+class _Terminated(BaseException):
+    """SIGTERM received by the launcher."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv``, run the job on this host's workers and return the exit status."""
+    opts = _parser().parse_args(argv)
+    n = opts.workers
+    if n < 1:
+        return _error(f"-w must be at least 1, not {n}")
+    try:
+        check_job(opts.job)
+    except JobFileError as exc:
+        return _error(str(exc))
+    directory = None
+    bind: dict[int, str] = {}
+    if opts.hostfile:
+        if opts.transport == "ipc":
+            return _error("--transport ipc works on one host only; a hostfile needs tcp")
+        try:
+            with open(opts.hostfile) as f:
+                hosts = parse_hostfile(f.read(), opts.port, opts.hostfile)
+        except OSError as exc:
+            return _error(f"cannot read hostfile {opts.hostfile}: {exc.strerror}")
+        except HostfileError as exc:
+            return _error(str(exc))
+        if not 0 <= opts.host_index < len(hosts):
+            return _error(f"--host-index {opts.host_index} is not a line of {opts.hostfile} ({len(hosts)} hosts)")
+        endpoints = hostfile_endpoints(hosts, n)
+        host, base = hosts[opts.host_index]
+        try:
+            # ZeroMQ binds to addresses or interfaces, not names: resolve this host's own line.
+            address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError as exc:
+            return _error(f"cannot resolve host {host!r} ({opts.hostfile}): {exc}")
+        address = f"[{address}]" if ":" in address else address
+        for local in range(n):
+            bind[opts.host_index * n + local] = f"tcp://{address}:{base + local}"
+        token = opts.token or job_token(opts.job, opts.args, hosts, n)
+    else:
+        if opts.host_index != 0:
+            return _error("--host-index needs --hostfile")
+        token = opts.token or secrets.token_hex(16)
+        if opts.transport == "tcp":
+            endpoints = loopback_endpoints(opts.port, n)
+        else:
+            directory = tempfile.mkdtemp(prefix="timely-")
+            endpoints = ipc_endpoints(directory, n)
+    peers = len(endpoints)
+    first = opts.host_index * n
+    job, job_args = opts.job, list(opts.args)
+    alloc_options = {"startup_timeout": opts.startup_timeout}
+
+    def entry(index: int, report: Callable[[Any], None]) -> None:
+        sys.argv = [job, *job_args]
+        module = load_job(job)
+        job_main = getattr(module, "main", None)
+        if not callable(job_main):
+            raise TypeError(f"{job}: main is not a function")
+        run_worker(job_main, index, peers, endpoints, token, job_args, lambda _result: report(None),
+                   bind=bind.get(index), **alloc_options)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        outcomes = supervise(entry, range(first, first + n), timeout=opts.timeout)
+    except KeyboardInterrupt:
+        sys.stderr.write("timely.launch: interrupted; workers stopped\n")
+        return 130
+    except _Terminated:
+        sys.stderr.write("timely.launch: terminated; workers stopped\n")
+        return 143
+    except TimeoutError as exc:
+        sys.stderr.write(f"timely.launch: timeout: {exc}; workers stopped\n")
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+    if any(o.failed for o in outcomes):
+        _report(outcomes)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
