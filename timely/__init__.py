@@ -14,9 +14,18 @@ from .dataflow import (
 from .progress import Summary
 from .worker import Worker
 
+
+def __getattr__(name: str) -> Any:
+    # The cluster's errors, without importing the cluster (and ZeroMQ) for single-worker use.
+    if name in ("WorkerError", "WorkerOperatorError"):
+        from . import cluster
+
+        return getattr(cluster, name)
+    raise AttributeError(f"module 'timely' has no attribute {name!r}")
+
 __all__ = [
     "Capability", "CapabilityError", "InputError", "InputHandle", "OperatorError", "ProbeHandle", "Scope",
-    "Stream", "Summary", "Worker", "execute",
+    "Stream", "Summary", "Worker", "WorkerError", "WorkerOperatorError", "execute",
 ]
 
 

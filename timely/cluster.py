@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .comm.endpoints import free_loopback_ports, ipc_endpoints, loopback_endpoints
+from .dataflow.operator import OperatorError
 
-__all__ = ["WorkerError", "Outcome", "supervise", "run_worker", "execute_cluster"]
+__all__ = ["WorkerError", "WorkerOperatorError", "Outcome", "supervise", "run_worker", "execute_cluster"]
 
 #: Seconds a stopped worker gets between SIGTERM and SIGKILL.
 STOP_GRACE = 3.0
@@ -51,6 +52,19 @@ class WorkerError(RuntimeError):
         self.signal = signal_number
 
 
+class WorkerOperatorError(WorkerError, OperatorError):
+    """User code in an operator raised on a worker process: both a :class:`WorkerError` and a
+    :class:`~timely.dataflow.operator.OperatorError` (``operator``, ``worker``, remote traceback)."""
+
+    def __init__(self, index: int, message: str, remote_traceback: str | None, operator: str) -> None:
+        RuntimeError.__init__(self, message)
+        self.index = self.worker = index
+        self.remote_traceback = remote_traceback
+        self.signal = None
+        self.operator = operator
+        self.cause = None
+
+
 @dataclass
 class Outcome:
     """How one worker process ended.
@@ -69,6 +83,7 @@ class Outcome:
     secondary: bool = False
     exitcode: int | None = None
     signal: int | None = None
+    operator: str | None = None  # the operator whose user code raised, if that was the failure
 
     @property
     def failed(self) -> bool:
@@ -144,7 +159,10 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
             tb = tb.tb_next  # start the traceback at the job's code, not at the runner's frames
         text = "".join(traceback.format_exception(type(exc), exc, tb))
         try:
-            conn.send_bytes(pickle.dumps(("error", text, summary, isinstance(exc, PeerLost))))
+            from .dataflow.operator import OperatorError
+
+            operator = exc.operator if isinstance(exc, OperatorError) else None
+            conn.send_bytes(pickle.dumps(("error", text, summary, isinstance(exc, PeerLost), operator)))
         except Exception:
             pass
     finally:
@@ -223,13 +241,13 @@ def _read_report(conn: Any, conns: dict[Any, int], outcomes: dict[int, Outcome])
     try:
         message = pickle.loads(data)
     except Exception as exc:  # a result that cannot be unpickled here
-        message = ("error", f"the result of worker {i} cannot be unpickled: {exc!r}", repr(exc), False)
+        message = ("error", f"the result of worker {i} cannot be unpickled: {exc!r}", repr(exc), False, None)
     out = outcomes[i]
     if message[0] == "ok":
         out.result = message[1]
         out.status = "reported"  # "ok" once it also exits with status 0
     else:
-        _, out.traceback, out.summary, out.secondary = message
+        _, out.traceback, out.summary, out.secondary, out.operator = message
         out.status = "error"
 
 
@@ -361,4 +379,6 @@ def failure_error(outcomes: list[Outcome]) -> WorkerError:
     others = [o.describe() for o in outcomes if o.failed and o is not first]
     if others:
         message += "\n\nThen: " + "; ".join(others)
+    if first.operator is not None:
+        return WorkerOperatorError(first.index, message, first.traceback, first.operator)
     return WorkerError(first.index, message, first.traceback, first.signal)

@@ -94,12 +94,12 @@ class Dataflow:
 
     def freeze(self) -> None:
         """End the build phase: check the graph, initialise counts and frontiers."""
-        if self._unbuilt:
-            names = ", ".join(self.operators[i].name for i in sorted(self._unbuilt))
-            raise RuntimeError(f"dataflow '{self.name}': operators never built: {names}")
         for loop in self._loops:
             if not loop.connected:
                 raise RuntimeError(f"dataflow '{self.name}': feedback '{loop.name}' was never connected (connect_loop)")
+        if self._unbuilt:
+            names = ", ".join(self.operators[i].name for i in sorted(self._unbuilt))
+            raise RuntimeError(f"dataflow '{self.name}': operators never built: {names}")
         builder = Builder()
         for op in self.operators:
             builder.add_node(op.index, len(op.inputs), len(op.outputs), op.summary, op.name)

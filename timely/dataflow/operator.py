@@ -184,7 +184,11 @@ class OutputHandle:
         if isinstance(cap, Capability):
             if not cap.live:
                 raise CapabilityError(f"operator '{op.name}': sending with a dropped capability at {cap.time!r}")
-            if cap._op is not op or cap.port != port.port:
+            if cap._op is not op:
+                raise CapabilityError(
+                    f"operator '{op.name}': capability belongs to operator '{cap._op.name}', not to this operator"
+                )
+            if cap.port != port.port:
                 raise CapabilityError(
                     f"operator '{op.name}': capability for output {cap.port} used on output {port.port}"
                 )
@@ -306,6 +310,11 @@ class OperatorBuilder:
         """
         if stream.scope.df is not self.df:
             raise ValueError(f"operator '{self.core.name}': stream belongs to another dataflow")
+        if levels is None and stream.scope is not self.scope:
+            raise ValueError(
+                f"operator '{self.core.name}': stream belongs to another scope; bring it in with enter() or "
+                "take it out with leave()"
+            )
         core = self.core
         port = InputPort(core, len(core.inputs), levels or self.scope.levels)
         core.inputs.append(port)

@@ -1,0 +1,493 @@
+"""Misuse of the dataflow API fails loudly with a clear message (types AND message contents).
+
+Errors raised inside operator logic reach the caller as ``timely.OperatorError`` wrapping the
+original exception (README: user-code errors name the operator and worker); ``raised_cause`` digs
+the original error out of that chain so both forms are accepted for capability misuse.
+"""
+from __future__ import annotations
+
+import pytest
+
+import timely
+from timely.dataflow import OperatorBuilder
+from timely.dataflow.operator import OutputHandle
+from timely.progress import Summary
+from timely.progress.reachability import CycleError
+from conftest import run
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def raised_cause(excinfo, kind):
+    """The first exception of type ``kind`` in the raised exception's cause chain."""
+    e = excinfo.value
+    while e is not None:
+        if isinstance(e, kind):
+            return e
+        e = getattr(e, "cause", None) or e.__cause__
+    raise AssertionError(f"no {kind.__name__} in the chain of {excinfo.value!r}")
+
+
+def run_unary(constructor, records=(1, 2, 3), name="Bad"):
+    """Run ``constructor`` as a unary operator over ``records`` at epoch 0 on one worker."""
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            inp.stream.unary(constructor, name=name)
+        inp.send_batch(list(records))
+        inp.close()
+        worker.finish()
+
+    return run(main, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Capabilities
+# ---------------------------------------------------------------------------------------------
+
+def test_send_with_dropped_capability():
+    def ctor(cap, info):
+        cap.drop()
+
+        def logic(inp, out):
+            for c, batch in inp:
+                out.session(cap).give_batch(batch)
+        return logic
+
+    with pytest.raises((timely.CapabilityError, timely.OperatorError)) as ei:
+        run_unary(ctor, name="Dropper")
+    err = raised_cause(ei, timely.CapabilityError)
+    assert "dropped" in str(err) and "Dropper" in str(err)
+
+
+def test_capability_used_after_drop():
+    def ctor(cap, info):
+        cap.drop()
+        cap.delayed(1)
+        return lambda inp, out: None
+
+    with pytest.raises(timely.CapabilityError, match=r"'Twice'.*used after drop"):
+        run_unary(ctor, name="Twice")
+    with pytest.raises(timely.CapabilityError, match="used after drop"):
+        run_unary(lambda cap, info: (cap.drop(), cap.drop()), name="Twice")
+
+
+def test_capability_for_another_output():
+    """An operator with two outputs sends on output 1 with output 0's capability."""
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            b = OperatorBuilder(scope, "TwoOutputs")
+            b.new_input(inp.stream)
+            b.new_output()
+            b.new_output()
+            core = b.core
+
+            def constructor(caps):
+                out1 = OutputHandle(core.outputs[1])
+
+                def logic():
+                    out1.session(caps[0]).give(1)
+                    out1.flush()
+                return logic
+
+            b.build(constructor)
+        inp.send(1)  # schedules the logic (no frontier interest)
+        for _ in range(10):  # the held capabilities keep the dataflow alive: no finish()
+            worker.step()
+
+    with pytest.raises((timely.CapabilityError, timely.OperatorError)) as ei:
+        run(main, 1)
+    err = str(raised_cause(ei, timely.CapabilityError))
+    assert "TwoOutputs" in err and "output 0" in err and "output 1" in err
+
+
+def test_capability_of_another_operator():
+    """A capability smuggled from operator 'Owner' into operator 'Thief' (same output number) is
+    rejected, and the message says it belongs to another operator instead of the self-contradictory
+    'capability for output 0 used on output 0'."""
+
+    def main(worker):
+        stolen = []
+
+        def owner(cap, info):
+            stolen.append(cap)
+            return lambda inp, out: None
+
+        def thief(cap, info):
+            cap.drop()
+
+            def logic(inp, out):
+                for c, batch in inp:
+                    out.give_batch(stolen[0], batch)
+            return logic
+
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            inp.stream.unary(owner, name="Owner")
+            inp.stream.unary(thief, name="Thief")
+        inp.send(1)
+        inp.close()
+        # 'Owner' holds its capability forever, so run a few steps rather than finish().
+        for _ in range(10):
+            worker.step()
+
+    with pytest.raises((timely.CapabilityError, timely.OperatorError)) as ei:
+        run(main, 1)
+    err = str(raised_cause(ei, timely.CapabilityError))
+    assert "Thief" in err
+    assert "Owner" in err or "another operator" in err or "different operator" in err, err
+
+
+def test_input_capability_through_non_identity_summary():
+    """An operator whose input reaches its output only through a +1 summary cannot send at the
+    input batch's time with the input capability."""
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            b = OperatorBuilder(scope, "Delayer")
+            b.new_input(inp.stream, connection=[[Summary(1, 1)]])
+            b.new_output()
+            core = b.core
+
+            def constructor(caps):
+                caps[0].drop()
+                from timely.dataflow.operator import InputHandle as OpInput
+
+                inp_h, out = OpInput(core.inputs[0]), OutputHandle(core.outputs[0])
+
+                def logic():
+                    for c, batch in inp_h:
+                        out.session(c).give_batch(batch)
+                    out.flush()
+                return logic
+
+            b.build(constructor)
+        inp.send(1)
+        worker.finish()
+
+    with pytest.raises((timely.CapabilityError, timely.OperatorError)) as ei:
+        run(main, 1)
+    err = str(raised_cause(ei, timely.CapabilityError))
+    assert "Delayer" in err and "identity summary" in err
+
+
+@pytest.mark.parametrize("method", ["delayed", "downgrade"])
+def test_capability_moved_backwards(method):
+    def ctor(cap, info):
+        cap.downgrade(5)
+        getattr(cap, method)(3)
+        return lambda inp, out: None
+
+    with pytest.raises(timely.CapabilityError) as ei:
+        run_unary(ctor, name="Backwards")
+    msg = str(ei.value)
+    assert "Backwards" in msg and "earlier" in msg and "5" in msg and "3" in msg
+
+
+def test_input_capability_delayed_to_earlier_time():
+    def ctor(cap, info):
+        cap.drop()
+
+        def logic(inp, out):
+            for c, batch in inp:
+                c.delayed(c.time - 1)
+        return logic
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            inp.stream.unary(ctor, name="Rewind")
+        inp.advance_to(4)
+        inp.send(1)
+        worker.finish()
+
+    with pytest.raises((timely.CapabilityError, timely.OperatorError)) as ei:
+        run(main, 1)
+    err = str(raised_cause(ei, timely.CapabilityError))
+    assert "Rewind" in err and "3" in err and "4" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+def _input_misuse(action):
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input("Numbers")
+            inp.stream.probe()
+        action(inp)
+
+    return run(main, 1)
+
+
+def test_advance_to_backwards():
+    def action(inp):
+        inp.advance_to(5)
+        inp.advance_to(2)
+
+    with pytest.raises(timely.InputError) as ei:
+        _input_misuse(action)
+    msg = str(ei.value)
+    assert "Numbers" in msg and "backwards" in msg and "5" in msg and "2" in msg
+
+
+@pytest.mark.parametrize("what", ["send", "send_batch", "advance_to"])
+def test_use_after_close(what):
+    def action(inp):
+        inp.send(1)
+        inp.close()
+        inp.close()  # idempotent
+        {"send": lambda: inp.send(2), "send_batch": lambda: inp.send_batch([2, 3]),
+         "advance_to": lambda: inp.advance_to(3)}[what]()
+
+    with pytest.raises(timely.InputError) as ei:
+        _input_misuse(action)
+    assert "Numbers" in str(ei.value) and "closed" in str(ei.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cycles and scopes
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("step", [0, -1])
+def test_feedback_step_must_be_positive(step):
+    def main(worker):
+        with worker.dataflow() as scope:
+            scope.feedback(step)
+
+    with pytest.raises(ValueError) as ei:
+        run(main, 1)
+    assert "positive" in str(ei.value) and str(step) in str(ei.value)
+
+
+def test_identity_cycle_with_operator_builder():
+    """An operator fed by its own downstream through identity summaries: CycleError at build."""
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            b = OperatorBuilder(scope, "CycleHead")
+            b.new_output()
+            head = timely.Stream(scope, b.index, 0)
+            tail = inp.stream.concat(head).map(lambda x: x, name="CycleBody")
+            b.new_input(tail)
+            b.build(lambda caps: (lambda: None))
+
+    with pytest.raises(CycleError) as ei:
+        run(main, 1)
+    msg = str(ei.value)
+    assert "does not advance time" in msg and ("CycleHead" in msg or "CycleBody" in msg)
+
+
+def test_identity_cycle_through_leave_and_enter():
+    """A cycle leave() -> enter() through a nested scope, with no feedback in the outer scope: the
+    outer epoch is unchanged all the way round, so it is an identity cycle (CycleError)."""
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            b = OperatorBuilder(scope, "OuterHead")
+            b.new_output()
+            head = timely.Stream(scope, b.index, 0)
+            with scope.iterative() as inner:
+                back = inp.stream.concat(head).enter(inner).map(lambda x: x).leave()
+            b.new_input(back)
+            b.build(lambda caps: (lambda: None))
+
+    with pytest.raises(CycleError) as ei:
+        run(main, 1)
+    assert "OuterHead" in str(ei.value)
+
+
+def test_cycle_through_leave_enter_and_inner_feedback():
+    """An inner feedback(1) whose loop goes out of the nested scope and back in (leave -> enter).
+    Round the cycle, (e, i) becomes (e, 0) + 1 = (e, 1): for i >= 1 the cycle does not advance time
+    (DESIGN 2.7), so building it must fail with CycleError, not be accepted."""
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            with scope.iterative() as inner:
+                h, loop = inner.feedback(1, name="InnerLoop")
+                body = inp.stream.enter(inner).concat(loop)
+                back = body.leave().enter(inner)
+                back.filter(lambda x: x > 0).map(lambda x: x - 1).connect_loop(h)
+        return "built"
+
+    with pytest.raises(CycleError) as ei:
+        run(main, 1)
+    assert "does not advance time" in str(ei.value)
+
+
+def test_feedback_never_connected():
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            h, loop = scope.feedback(1, name="Dangling")
+            inp.stream.concat(loop).probe()
+
+    with pytest.raises(RuntimeError) as ei:
+        run(main, 1)
+    msg = str(ei.value)
+    # The message must say what to do about a *feedback*, not just "operators never built".
+    assert "Dangling" in msg and ("never connected" in msg or "connect_loop" in msg), msg
+
+
+def test_feedback_connected_twice():
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            h, loop = scope.feedback(1, name="Twice")
+            s = inp.stream.concat(loop).filter(lambda x: x > 0)
+            s.connect_loop(h)
+            s.connect_loop(h)
+
+    with pytest.raises(ValueError, match="'Twice' is already connected"):
+        run(main, 1)
+
+
+def test_outer_stream_in_inner_scope_without_enter():
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            with scope.iterative() as inner:
+                h, loop = inner.feedback(1)
+                loop.concat(inp.stream, name="Mixer")  # inp.stream is not entered
+
+    with pytest.raises(ValueError) as ei:
+        run(main, 1)
+    msg = str(ei.value)
+    assert "Mixer" in msg and "enter()" in msg
+
+
+def test_inner_stream_in_outer_scope_without_leave():
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            with scope.iterative() as inner:
+                inside = inp.stream.enter(inner)
+            inp.stream.binary(inside, lambda cap, info: None, name="Joiner")
+
+    with pytest.raises(ValueError) as ei:
+        run(main, 1)
+    msg = str(ei.value)
+    assert "Joiner" in msg and "leave()" in msg
+
+
+def test_stream_of_sibling_scope_without_leave_enter():
+    """A stream of one nested scope used directly in a sibling nested scope (same depth, different
+    scope): it must be rejected like any other stream from another scope, not silently mixed into
+    the sibling's loop coordinates."""
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            with scope.iterative() as first:
+                s = inp.stream.enter(first).map(lambda x: x)
+            with scope.iterative() as second:
+                inp.stream.enter(second).concat(s, name="SiblingMixer").leave().probe()
+
+    with pytest.raises(ValueError) as ei:
+        run(main, 1)
+    assert "SiblingMixer" in str(ei.value)
+
+
+def test_stream_of_another_dataflow():
+    def main(worker):
+        with worker.dataflow() as scope:
+            first = scope.new_input().stream
+        with worker.dataflow() as scope:
+            scope.new_input().stream.concat(first, name="Crosser")
+
+    with pytest.raises(ValueError) as ei:
+        run(main, 1)
+    assert "Crosser" in str(ei.value) and "another dataflow" in str(ei.value)
+
+
+def test_enter_needs_a_directly_nested_scope():
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            with scope.iterative() as inner:
+                with inner.iterative() as deeper:
+                    inp.stream.enter(deeper)
+
+    with pytest.raises(ValueError, match="nested directly"):
+        run(main, 1)
+
+
+def test_new_input_in_nested_scope():
+    def main(worker):
+        with worker.dataflow() as scope:
+            with scope.iterative() as inner:
+                inner.new_input()
+
+    with pytest.raises(ValueError, match="enter"):
+        run(main, 1)
+
+
+def test_partition_route_out_of_range():
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            inp.stream.partition(2, lambda x: x, name="Splitter")
+        inp.send_batch([0, 1, 7])
+        worker.finish()
+
+    with pytest.raises(timely.OperatorError) as ei:
+        run(main, 1)
+    msg = str(ei.value)
+    assert "Splitter" in msg and "7" in msg and "0..1" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# Exceptions in user code
+# ---------------------------------------------------------------------------------------------
+
+def _failing_main(worker):
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        probe = (inp.stream
+                 .map(lambda x: 100 // x, name="Divider")
+                 .probe())
+    # Only the last worker sends the 0 that breaks the map.
+    inp.send_batch([1, 2, 0] if worker.index == worker.peers - 1 else [4, 5])
+    inp.advance_to(1)
+    worker.step_while(lambda: probe.less_than(1), timeout=20)
+    return "unreachable"
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["w1", "w2"])
+def test_exception_in_user_code(workers):
+    with pytest.raises(timely.OperatorError) as ei:
+        run(_failing_main, workers)
+    msg = str(ei.value)
+    assert "'Divider'" in msg
+    assert f"worker {workers - 1}" in msg
+    assert "ZeroDivisionError" in msg
+    assert "Traceback" in msg and "100 // x" in msg  # the traceback reaches into user code
+
+
+def test_exception_in_notify_logic_names_operator():
+    def logic(inp, out, notificator):
+        for c, batch in inp:
+            notificator.notify_at(c.retain())
+        for c in notificator:
+            raise KeyError(f"missing state for {c.time}")
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            inp.stream.unary_notify(logic, name="Notifier")
+        inp.send(1)
+        worker.finish()
+
+    with pytest.raises(timely.OperatorError) as ei:
+        run(main, 1)
+    assert "Notifier" in str(ei.value) and "missing state for 0" in str(ei.value)
+    assert isinstance(ei.value.cause, KeyError) and ei.value.operator == "Notifier" and ei.value.worker == 0
