@@ -7,10 +7,12 @@ dataflow runs (Hoffmann et al., "Megaphone", PVLDB 12(9), 2019). See DESIGN.md s
 from .control import ControlError, ControlInput, apply_updates, check_update, default_table
 from .controller import ControlEndpoint, Controller, RequestError, StepEvent
 from .operators import BinNotificator, MegaphoneError, Migratable, binary, state_machine, unary
+from timely._routing import bins_of, hash64
+
 from .plan import STRATEGIES, balanced, check_table, moved_bins, plan, skewed
 
 __all__ = [
     "STRATEGIES", "BinNotificator", "ControlEndpoint", "ControlError", "ControlInput", "Controller",
-    "MegaphoneError", "Migratable", "RequestError", "StepEvent", "apply_updates", "balanced", "binary",
+    "MegaphoneError", "Migratable", "RequestError", "StepEvent", "apply_updates", "balanced", "binary", "bins_of", "hash64",
     "check_table", "check_update", "default_table", "moved_bins", "plan", "skewed", "state_machine", "unary",
 ]

@@ -114,6 +114,15 @@ class Migratable:
         "bytes", "seconds", ...}``."""
         return self._shared.events
 
+    def state(self) -> dict:
+        """The state of every bin this worker holds, merged into one dict (for ``state_machine``:
+        key -> state). Read it between steps; it changes as the dataflow runs and bins move."""
+        merged: dict = {}
+        for bin_ in self._shared.bins:
+            if bin_ is not None:
+                merged.update(bin_.state)
+        return merged
+
     def owned_bins(self) -> list[int]:
         """The bins currently held by this worker."""
         return [b for b, x in enumerate(self._shared.bins) if x is not None]
