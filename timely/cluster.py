@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -321,6 +322,10 @@ def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: li
     from .worker import Worker
 
     alloc = ZmqAllocator(index, peers, endpoints, token, **options)
+    # Everything alive now (modules, the job's globals) lives for the whole run: keep the garbage
+    # collector off it, so that collections triggered by decoded batches stay cheap.
+    gc.collect()
+    gc.freeze()
     try:
         worker = Worker(alloc, list(args))
         result = main(worker)
