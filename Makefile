@@ -23,6 +23,7 @@ test: install
 
 demo: install
 	$(BIN)/python -m timely.launch -w 2 examples/wordcount.py
+	$(BIN)/python examples/spark_demo.py --workers 2 --megaphone
 
 clean:
 	rm -rf build $(VENV) timely/_native/*.so timely/_native/*.c native/*.c *.egg-info

@@ -1,0 +1,187 @@
+"""The Spark side's connections to a timely cluster (no PySpark needed here).
+
+Used by the data source in Spark's driver and executor Python workers, and by user code
+(``spark_bridge.shutdown``, ``close_stream``, ``status``). ZeroMQ sockets are cached per process
+and per endpoint: Spark reuses its Python workers across tasks, so a task finds its sockets open.
+The context is created lazily and re-created after a fork (never shared across ``fork``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from typing import Any, Iterator, Sequence
+
+import zmq
+
+from . import protocol as P
+from .errors import ClusterStopping, CoordinatorUnreachable, WorkerUnreachable, from_reply
+
+DEFAULT_TIMEOUT = 30.0
+
+_ctx: zmq.Context | None = None
+_ctx_pid: int | None = None
+_links: dict[tuple, "WorkerLink"] = {}  # (thread, endpoint) -> link: ZeroMQ sockets are not thread-safe
+
+
+def context() -> zmq.Context:
+    """This process's ZeroMQ context (created after any fork)."""
+    global _ctx, _ctx_pid, _links
+    if _ctx is None or _ctx_pid != os.getpid():
+        _ctx = zmq.Context()
+        _ctx_pid = os.getpid()
+        _links = {}
+    return _ctx
+
+
+class Coordinator:
+    """Requests to worker 0's coordinator endpoint; each gets a fresh socket and a deadline."""
+
+    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if not endpoint:
+            raise ValueError("the 'endpoint' option (the timely coordinator, e.g. tcp://127.0.0.1:7447) is required")
+        self.endpoint = endpoint
+        self.timeout = float(timeout)
+
+    def request(self, op: str, **fields: Any) -> dict:
+        fields["op"] = op
+        sock = context().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.endpoint)
+            sock.send(P.pack(fields))
+            if not sock.poll(int(self.timeout * 1000)):
+                raise CoordinatorUnreachable(
+                    f"timely coordinator at {self.endpoint} did not answer a '{op}' request within "
+                    f"{self.timeout:g} s: is the timely job running and serving that endpoint?")
+            reply = P.unpack(sock.recv())
+        finally:
+            sock.close(linger=0)
+        if not reply.get("ok"):
+            raise from_reply(reply)
+        return reply
+
+
+class WorkerLink:
+    """A DEALER socket to one worker's data endpoint (cached per process)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.sock = context().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 256)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a worker that is not connected
+        self.sock.connect(endpoint)
+        self._sndtimeo: int | None = None
+
+    @staticmethod
+    def get(endpoint: str) -> "WorkerLink":
+        context()
+        key = (threading.get_ident(), endpoint)
+        link = _links.get(key)
+        if link is None:
+            link = _links[key] = WorkerLink(endpoint)
+            link.key = key
+        return link
+
+    def discard(self) -> None:
+        """Forget this link (after an error: queued messages must not reach a later worker)."""
+        key = getattr(self, "key", None)
+        if _links.get(key) is self:
+            del _links[key]
+        self.sock.close(linger=0)
+
+    def send(self, frames: Sequence[Any], timeout: float, worker: int) -> None:
+        ms = max(1, int(timeout * 1000))
+        if self._sndtimeo != ms:
+            self.sock.setsockopt(zmq.SNDTIMEO, ms)
+            self._sndtimeo = ms
+        try:
+            self.sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            self.discard()
+            raise WorkerUnreachable(
+                f"timely worker {worker} at {self.endpoint} accepted no data for {timeout:g} s: "
+                "the cluster stopped or is stuck") from None
+
+    def check(self, key: bytes) -> None:
+        """Raise at once if the worker already rejected the write ``key`` (non-blocking)."""
+        while self.sock.poll(0):
+            frames = self.sock.recv_multipart(copy=False)
+            if len(frames) >= 3 and frames[0].bytes == b"A" and frames[1].bytes == key:
+                reply = P.unpack(frames[2].bytes)
+                if not reply.get("ok"):
+                    raise from_reply(reply)
+
+    def recv_reply(self, kind: bytes, key: bytes, timeout: float, worker: int, what: str) -> list:
+        """The next reply of ``kind`` for ``key`` (older replies for other keys are skipped)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
+                self.discard()
+                raise WorkerUnreachable(
+                    f"timely worker {worker} at {self.endpoint} did not answer ({what}) within {timeout:g} s: "
+                    "the cluster stopped or is stuck")
+            frames = self.sock.recv_multipart(copy=False)
+            if len(frames) >= 3 and frames[1].bytes == key and frames[0].bytes in kind:
+                return frames
+
+
+def request_worker(endpoint: str, worker: int, kind: bytes, body: dict, timeout: float) -> dict:
+    """One request/reply exchange with a worker's data endpoint (status, release, shutdown)."""
+    link = WorkerLink.get(endpoint)
+    reqid = uuid.uuid4().bytes
+    link.send([kind, reqid, P.pack(body)], timeout, worker)
+    frames = link.recv_reply(kind.lower(), reqid, timeout, worker, kind.decode())
+    reply = P.unpack(frames[2].bytes)
+    if not reply.get("ok"):
+        raise from_reply(reply)
+    return reply
+
+
+def read_epochs(endpoint: str, worker: int, sink: str, start: int, end: int, timeout: float) -> Iterator[tuple[int, Any]]:
+    """``(epoch, body)`` for every output batch of ``sink`` at ``start <= epoch < end`` on one worker
+    (body: a ZeroMQ frame holding a serialized RecordBatch)."""
+    link = WorkerLink.get(endpoint)
+    reqid = uuid.uuid4().bytes
+    link.send([b"R", reqid, P.pack({"sink": sink, "start": start, "end": end})], timeout, worker)
+    while True:
+        frames = link.recv_reply(b"rz", reqid, timeout, worker, f"read of '{sink}' epochs {start}..{end - 1}")
+        if frames[0].bytes == b"z":
+            reply = P.unpack(frames[2].bytes)
+            if not reply.get("ok"):
+                raise from_reply(reply)
+            return
+        epoch, _rows = P.unpack(frames[2].bytes)
+        yield epoch, frames[3]
+
+
+# -- cluster-wide operations --------------------------------------------------------------------------
+def status(endpoint: str, timeout: float = 10.0) -> dict:
+    """The coordinator's view: ``peers``, ``sources``, ``sinks``, ``endpoints`` (once registered)."""
+    return Coordinator(endpoint, timeout).request("status")
+
+
+def close_stream(endpoint: str, stream: str, timeout: float = 10.0) -> None:
+    """Close the source ``stream``: no more writes; its frontier empties once pending commits are out."""
+    Coordinator(endpoint, timeout).request("close", stream=stream)
+
+
+def shutdown(endpoint: str, timeout: float = 10.0) -> None:
+    """Stop the bridge on every worker: sources close, writes in flight fail, sinks stop serving.
+
+    The timely job's dataflows can then complete, so its workers finish.
+    """
+    coord = Coordinator(endpoint, timeout)
+    info = coord.request("status")
+    for i, ep in enumerate(info.get("endpoints") or []):
+        if ep and i != 0:  # worker 0 stops on the coordinator's request, last
+            try:
+                request_worker(ep, i, b"X", {}, timeout)
+            except ClusterStopping:
+                pass
+    coord.request("shutdown")

@@ -1,0 +1,422 @@
+"""The Spark side: a Python Data Source named ``timely`` (PySpark 4.1+ ``pyspark.sql.datasource``).
+
+Writes use the Arrow writer variants, so rows never become Python objects: each Spark task sends
+the serialized Arrow record batches Spark hands it straight to the timely workers (by key hash with
+``keyColumn``, round-robin otherwise), where they are staged under a random token of that task
+attempt. ``commit`` (on Spark's driver) asks the coordinator to publish the winning tokens as one
+epoch; ``abort`` discards them. Reads fetch the Arrow IPC batches each worker keeps for completed
+epochs and yield them as ``pyarrow.RecordBatch``.
+
+Where each method runs (see shared/reference/spark.md): ``writer``/``streamWriter``/``schema``/
+``partitions`` and the stream reader's offset methods on driver-side Python workers; ``write`` and
+``read`` on executors; ``commit``/``abort`` in another driver-side Python process that gets a copy of
+the writer (batch) or a fresh writer from ``streamWriter`` (streaming). So everything a commit needs
+is derived from the options or carried in the pickled writer, never from process state.
+"""
+from __future__ import annotations
+
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from pyspark.sql.datasource import (
+    DataSource, DataSourceArrowWriter, DataSourceReader, DataSourceStreamArrowWriter, DataSourceStreamReader,
+    InputPartition, WriterCommitMessage,
+)
+from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+
+from . import protocol as P
+from . import schema as S
+from .client import DEFAULT_TIMEOUT, Coordinator, WorkerLink, from_reply, read_epochs, request_worker
+from .errors import BridgeError, SchemaMismatch
+
+NAME = "timely"
+
+
+# -- options -------------------------------------------------------------------------------------------
+def _opt(options: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        v = options.get(n.lower()) if hasattr(options, "get") else None
+        if v is None and hasattr(options, "get"):
+            v = options.get(n)
+        if v is not None and v != "":
+            return v
+    return default
+
+
+def _endpoint(options: Any) -> str:
+    ep = _opt(options, "endpoint", "timely.coordinator", "coordinator")
+    if not ep:
+        raise BridgeError("format('timely') needs the option 'endpoint': the coordinator of the timely job, "
+                          "e.g. .option('endpoint', 'tcp://127.0.0.1:7447')")
+    return ep
+
+
+def _stream(options: Any) -> str:
+    name = _opt(options, "stream", "timely.stream", "path")
+    if not name:
+        raise BridgeError("format('timely') needs the option 'stream': the name given to spark_bridge.source "
+                          "(writes) or spark_bridge.sink (reads)")
+    return name
+
+
+def _timeout(options: Any) -> float:
+    return float(_opt(options, "timeout", "timely.timeout", default=DEFAULT_TIMEOUT))
+
+
+def _fields_of(schema: Any) -> list:
+    return [list(f) for f in S.parse(schema)]
+
+
+# -- writes --------------------------------------------------------------------------------------------
+@dataclass
+class TimelyCommitMessage(WriterCommitMessage):
+    """What a write task reports: its token and the rows it staged on each worker."""
+
+    token: str
+    partition: int
+    attempt: int
+    rows: list = field(default_factory=list)
+
+
+@dataclass
+class WritePlan:
+    endpoint: str
+    stream: str
+    query: str
+    batch: int | None  # None: streaming (the batch id comes from the task / commit)
+    final: bool  # a batch write: its query id is never reused
+    endpoints: list  # [[data endpoint, generation] per worker]
+    key_index: int | None
+    timeout: float
+
+
+def _plan_write(options: Any, schema: Any, overwrite: bool, query: str, batch: int | None) -> WritePlan:
+    if overwrite:
+        raise BridgeError("format('timely') is append-only: a write adds one epoch to a timely stream; "
+                          "use mode('append') (or outputMode('append'/'update') for streams)")
+    endpoint, stream, timeout = _endpoint(options), _stream(options), _timeout(options)
+    fields = _fields_of(schema)
+    key = _opt(options, "keyColumn", "key.column", "timely.keyColumn")
+    reply = Coordinator(endpoint, timeout).request("plan", stream=stream, kind="write", schema=fields, key=key)
+    names = [n for n, _ in fields]
+    return WritePlan(endpoint, stream, query, batch, batch is not None, reply["endpoints"],
+                     names.index(key) if key is not None else None, timeout)
+
+
+def _write(plan: WritePlan, iterator: Iterator[Any], batch: int) -> TimelyCommitMessage:
+    from pyspark import TaskContext
+
+    tc = TaskContext.get()
+    partition = tc.partitionId() if tc else 0
+    attempt = tc.attemptNumber() if tc else 0
+    token = uuid.uuid4().hex
+    tok = token.encode()
+    peers = len(plan.endpoints)
+    rows = [0] * peers
+    batches = [0] * peers
+    links: dict[int, WorkerLink] = {}
+    timeout = plan.timeout
+    schema_ipc = None
+
+    def send(w: int, rb: Any) -> None:
+        link = links.get(w)
+        if link is None:
+            link = links[w] = WorkerLink.get(plan.endpoints[w][0])
+            header = {"stream": plan.stream, "query": plan.query, "batch": batch, "partition": partition,
+                      "attempt": attempt, "generation": plan.endpoints[w][1]}
+            link.send([b"B", tok, P.pack(header), schema_ipc], timeout, w)
+        link.send([b"D", tok, P.ROWS.pack(rb.num_rows), rb.serialize()], timeout, w)
+        link.check(tok)
+        rows[w] += rb.num_rows
+        batches[w] += 1
+
+    rr = partition % peers
+    key = plan.key_index
+    for rb in iterator:
+        if not rb.num_rows:
+            continue
+        if schema_ipc is None:
+            schema_ipc = rb.schema.serialize()
+        if peers == 1:
+            send(0, rb)
+        elif key is None:
+            send(rr, rb)
+            rr = (rr + 1) % peers
+        else:
+            import numpy as np
+            import pyarrow as pa
+
+            from .routing import owners
+
+            own = owners(rb.column(key), peers)
+            for w in range(peers):
+                idx = np.flatnonzero(own == w)
+                if len(idx) == len(own):
+                    send(w, rb)
+                elif len(idx):
+                    send(w, rb.take(pa.array(idx)))
+    for w, link in links.items():
+        link.send([b"E", tok, P.pack({"rows": rows[w], "batches": batches[w]})], timeout, w)
+    for w, link in links.items():
+        frames = link.recv_reply(b"A", tok, timeout, w, f"staging {rows[w]} rows of stream '{plan.stream}'")
+        reply = P.unpack(frames[2].bytes)
+        if not reply.get("ok"):
+            raise from_reply(reply)
+    return TimelyCommitMessage(token, partition, attempt, rows)
+
+
+def _tokens(messages: list) -> list:
+    out = []
+    for m in messages:
+        if isinstance(m, TimelyCommitMessage) and any(m.rows):
+            out.append([m.token, [[w, r] for w, r in enumerate(m.rows) if r]])
+    return out
+
+
+def _commit(plan: WritePlan, messages: list, batch: int) -> dict:
+    return Coordinator(plan.endpoint, plan.timeout).request(
+        "commit", stream=plan.stream, query=plan.query, batch=batch, tokens=_tokens(messages), final=plan.final)
+
+
+def _abort(plan: WritePlan, messages: list, batch: int) -> None:
+    try:
+        Coordinator(plan.endpoint, plan.timeout).request(
+            "abort", stream=plan.stream, query=plan.query, batch=batch, tokens=_tokens(messages), final=plan.final)
+    except BridgeError as e:  # Spark is failing the write already; do not hide its error
+        print(f"spark_bridge: abort of stream '{plan.stream}' batch {batch} not delivered: {e}", file=sys.stderr)
+
+
+class TimelyBatchWriter(DataSourceArrowWriter):
+    """``df.write.format("timely")``: the whole write is one epoch."""
+
+    def __init__(self, plan: WritePlan) -> None:
+        self.plan = plan
+
+    def write(self, iterator: Iterator[Any]) -> TimelyCommitMessage:
+        return _write(self.plan, iterator, 0)
+
+    def commit(self, messages: list) -> None:
+        _commit(self.plan, messages, 0)
+
+    def abort(self, messages: list) -> None:
+        _abort(self.plan, messages, 0)
+
+
+class TimelyStreamWriter(DataSourceStreamArrowWriter):
+    """``df.writeStream.format("timely")``: each micro-batch is one epoch; replays are no-ops."""
+
+    def __init__(self, plan: WritePlan) -> None:
+        self.plan = plan
+
+    def write(self, iterator: Iterator[Any]) -> TimelyCommitMessage:
+        from pyspark import TaskContext
+
+        tc = TaskContext.get()
+        batch = tc.getLocalProperty("streaming.sql.batchId") if tc else None
+        if batch is None:
+            raise BridgeError("spark_bridge: no streaming.sql.batchId in the task context of a streaming write")
+        return _write(self.plan, iterator, int(batch))
+
+    def commit(self, messages: list, batchId: int) -> None:
+        _commit(self.plan, messages, batchId)
+
+    def abort(self, messages: list, batchId: int) -> None:
+        _abort(self.plan, messages, batchId)
+
+
+# -- reads ---------------------------------------------------------------------------------------------
+@dataclass
+class ReadPartition(InputPartition):
+    worker: int
+    endpoint: str
+    sink: str
+    start: int
+    end: int
+    fields: list
+    epoch_column: str | None
+    timeout: float
+
+    def __post_init__(self) -> None:
+        self.value = self.worker
+
+
+def _read(p: ReadPartition) -> Iterator[Any]:
+    import pyarrow as pa
+
+    if p.end <= p.start:
+        return
+    schema = S.arrow_schema([tuple(f) for f in p.fields])
+    for epoch, frame in read_epochs(p.endpoint, p.worker, p.sink, p.start, p.end, p.timeout):
+        rb = pa.ipc.read_record_batch(pa.py_buffer(frame.buffer), schema)
+        if p.epoch_column:
+            rb = rb.append_column(p.epoch_column, pa.array([epoch] * rb.num_rows, pa.int64()))
+        yield rb
+
+
+class _SinkClient:
+    """Planning for reads: the sink's workers, its completed epochs, releases."""
+
+    def __init__(self, options: Any) -> None:
+        self.endpoint = _endpoint(options)
+        self.sink = _stream(options)
+        self.timeout = _timeout(options)
+        self.epoch_column = _opt(options, "epochColumn", "timely.epochColumn")
+        plan = Coordinator(self.endpoint, self.timeout).request("plan", stream=self.sink, kind="read")
+        self.endpoints = [e[0] for e in plan["endpoints"]]
+        self.fields = plan["fields"]
+
+    def statuses(self) -> list[dict]:
+        return [request_worker(ep, i, b"S", {"sink": self.sink}, self.timeout) for i, ep in enumerate(self.endpoints)]
+
+    def latest(self, statuses: list[dict] | None = None) -> int:
+        """Every epoch below the result is complete on every worker."""
+        st = statuses or self.statuses()
+        open_ = [s["frontier"] for s in st if not s["empty"]]
+        if open_:
+            return min(open_)
+        return max(max(s["max_seen"] + 1, s["frontier"] or 0) for s in st)
+
+    def released(self, statuses: list[dict] | None = None) -> int:
+        return max(s["released"] for s in (statuses or self.statuses()))
+
+    def partitions(self, start: int, end: int) -> list[ReadPartition]:
+        return [ReadPartition(i, ep, self.sink, start, end, self.fields, self.epoch_column, self.timeout)
+                for i, ep in enumerate(self.endpoints)]
+
+    def release(self, upto: int) -> None:
+        for i, ep in enumerate(self.endpoints):
+            request_worker(ep, i, b"L", {"sink": self.sink, "upto": upto}, self.timeout)
+
+
+class TimelyBatchReader(DataSourceReader):
+    """``spark.read.format("timely")``: every retained completed epoch (or ``startingEpoch`` ..
+    ``endingEpoch``; an ``endingEpoch`` not yet complete is waited for, up to ``timeout``)."""
+
+    def __init__(self, options: Any) -> None:
+        self.options = dict(options)
+
+    def partitions(self) -> list[ReadPartition]:
+        import time
+
+        c = _SinkClient(self.options)
+        st = c.statuses()
+        start = _opt(self.options, "startingEpoch")
+        start = c.released(st) if start is None else int(start)
+        end = _opt(self.options, "endingEpoch")
+        if end is None:
+            end = c.latest(st)
+        else:
+            end = int(end)
+            deadline = time.monotonic() + c.timeout
+            while c.latest(st) < end:
+                if all(s["empty"] for s in st):
+                    break
+                if time.monotonic() > deadline:
+                    raise BridgeError(f"sink '{c.sink}': epoch {end - 1} did not complete within {c.timeout:g} s "
+                                      f"(complete before {c.latest(st)})")
+                time.sleep(0.02)
+                st = c.statuses()
+        return c.partitions(start, end)
+
+    def read(self, partition: ReadPartition) -> Iterator[Any]:
+        return _read(partition)
+
+
+class TimelyStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """``spark.readStream.format("timely")``: offsets are ``{"epoch": E}`` (every epoch below E);
+    Spark's commit of a batch releases its epochs on the workers."""
+
+    def __init__(self, options: Any) -> None:
+        self.options = dict(options)
+        self._client: _SinkClient | None = None
+        self._target: int | None = None
+
+    @property
+    def client(self) -> _SinkClient:
+        if self._client is None:
+            self._client = _SinkClient(self.options)
+        return self._client
+
+    def initialOffset(self) -> dict:
+        start = _opt(self.options, "startingEpoch")
+        return {"epoch": self.client.released() if start is None else int(start)}
+
+    def latestOffset(self, start: dict, limit: Any) -> dict:
+        latest = self.client.latest()
+        if self._target is not None:
+            latest = min(latest, self._target)
+        most = _opt(self.options, "maxEpochsPerTrigger")
+        if most is not None:
+            latest = min(latest, int(start["epoch"]) + int(most))
+        return {"epoch": max(int(start["epoch"]), latest)}
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self.client.latest()
+
+    def partitions(self, start: dict, end: dict) -> list[ReadPartition]:
+        return self.client.partitions(int(start["epoch"]), int(end["epoch"]))
+
+    def read(self, partition: ReadPartition) -> Iterator[Any]:
+        return _read(partition)
+
+    def commit(self, end: dict) -> None:
+        self.client.release(int(end["epoch"]))
+
+
+# -- the data source -----------------------------------------------------------------------------------
+class TimelyDataSource(DataSource):
+    """``format("timely")``. Options (case-insensitive):
+
+    ``endpoint`` (required): the coordinator, e.g. ``tcp://127.0.0.1:7447``.
+    ``stream`` (required): the source (writes) or sink (reads) name.
+    ``keyColumn``: writes route each row to the worker owning ``hash64(row[keyColumn])``.
+    ``queryId``: streaming writes: the query's stable identity (default: ``checkpointLocation``,
+    else ``queryName``). ``timeout``: seconds to wait for the cluster (default 30).
+    ``startingEpoch`` / ``endingEpoch``: reads. ``epochColumn``: reads add the epoch as a bigint column.
+    ``maxEpochsPerTrigger``: streaming reads.
+    """
+
+    @classmethod
+    def name(cls) -> str:
+        return NAME
+
+    def schema(self) -> str:
+        c = Coordinator(_endpoint(self.options), _timeout(self.options))
+        fields = c.request("plan", stream=_stream(self.options), kind="read")["fields"]
+        fields = [tuple(f) for f in fields]
+        col = _opt(self.options, "epochColumn", "timely.epochColumn")
+        if col:
+            fields.append((col, "bigint"))
+        return S.ddl(fields)
+
+    def writer(self, schema: Any, overwrite: bool) -> TimelyBatchWriter:
+        return TimelyBatchWriter(_plan_write(self.options, schema, overwrite, "write-" + uuid.uuid4().hex, 0))
+
+    def streamWriter(self, schema: Any, overwrite: bool) -> TimelyStreamWriter:
+        query = _opt(self.options, "queryId", "timely.queryId", "checkpointLocation", "queryName")
+        if not query:
+            raise BridgeError("a streaming write to format('timely') needs a stable query identity for "
+                              "exactly-once: set option('checkpointLocation', ...) (or option('queryId', ...))")
+        return TimelyStreamWriter(_plan_write(self.options, schema, overwrite, "stream-" + str(query), None))
+
+    def _check_read_schema(self, schema: Any) -> None:
+        declared = S.parse(self.schema())
+        bad = S.mismatch(_stream(self.options), declared, S.parse(schema), side="the schema given to the read")
+        if bad:
+            raise SchemaMismatch(bad)
+
+    def reader(self, schema: Any) -> TimelyBatchReader:
+        self._check_read_schema(schema)
+        return TimelyBatchReader(self.options)
+
+    def streamReader(self, schema: Any) -> TimelyStreamReader:
+        self._check_read_schema(schema)
+        return TimelyStreamReader(self.options)
+
+
+def register(spark: Any) -> None:
+    """Register ``format("timely")`` with a SparkSession (not needed when ``pyspark_timely`` is on the
+    Python path of Spark's Python workers: Spark then registers it by itself)."""
+    spark.dataSource.register(TimelyDataSource)

@@ -1,0 +1,41 @@
+"""The errors of the Spark bridge. Every message names what it is about (endpoint, stream, column)."""
+from __future__ import annotations
+
+
+class BridgeError(RuntimeError):
+    """Base class: something the bridge refused or could not do."""
+
+
+class CoordinatorUnreachable(BridgeError, TimeoutError):
+    """The coordinator (worker 0's endpoint) did not answer in time."""
+
+
+class WorkerUnreachable(BridgeError, TimeoutError):
+    """A worker's data endpoint did not accept or acknowledge data in time."""
+
+
+class UnknownStream(BridgeError, KeyError):
+    """No source / sink of that name exists in the running timely job."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SchemaMismatch(BridgeError, ValueError):
+    """The DataFrame's schema differs from the one the timely job declared."""
+
+
+class ClusterStopping(BridgeError):
+    """The timely cluster is shutting down (or stopped) while a request was in flight."""
+
+
+_KINDS = {
+    "unknown_stream": UnknownStream,
+    "schema": SchemaMismatch,
+    "stopping": ClusterStopping,
+}
+
+
+def from_reply(reply: dict) -> BridgeError:
+    """The exception for an error reply ``{"ok": False, "kind": ..., "error": ...}``."""
+    return _KINDS.get(reply.get("kind"), BridgeError)(reply.get("error", "unknown error"))
