@@ -26,6 +26,10 @@ class ProgressMismatchError(RuntimeError):
     """Workers built different dataflows (operators and channels must be created in the same order)."""
 
 
+class ProgressOrderError(RuntimeError):
+    """A progress message arrived out of order, twice, or after a gap: the transport broke FIFO."""
+
+
 class Dataflow:
     """One dataflow instance on one worker."""
 
@@ -48,6 +52,8 @@ class Dataflow:
         self._inputs: list[Any] = []  # InputHandles, flushed at each step
         self._unbuilt: set[int] = set()
         self._loops: list[Any] = []
+        self._sent = 0  # sequence number of our next progress message
+        self._received = [0] * self.peers  # next sequence number expected from each worker
         # The progress channel is allocated first, so its id is the same on every worker.
         self._progress_pushers, self._progress_puller = worker.allocate(worker.new_channel())
 
@@ -150,12 +156,19 @@ class Dataflow:
         messages = self._progress_puller.drain()
         if messages:
             did = True
-            for digest, sender, updates in messages:
+            for digest, sender, seq, updates in messages:
                 if digest != self.digest:
                     raise ProgressMismatchError(
                         f"dataflow '{self.name}': worker {sender} built a different dataflow than worker "
                         f"{self.index}; every worker must create the same operators in the same order"
                     )
+                # Invariant (DESIGN 2.3): each worker's batches arrive whole, in order, exactly once.
+                if seq != self._received[sender]:
+                    raise ProgressOrderError(
+                        f"dataflow '{self.name}': worker {self.index} received progress message {seq} from worker "
+                        f"{sender}, expected {self._received[sender]} (lost, duplicated or reordered)"
+                    )
+                self._received[sender] = seq + 1
                 tracker.update_batch(((Location(n, p, s), t), d) for n, p, s, t, d in updates)
             operators = self.operators
             for loc, _t, _d in tracker.propagate_all():
@@ -186,7 +199,8 @@ class Dataflow:
         if not self.progress.is_empty():
             did = True
             updates = [(l.node, l.port, l.source, t, d) for (l, t), d in self.progress.drain()]
-            message = (self.digest, self.index, updates)
+            message = (self.digest, self.index, self._sent, updates)
+            self._sent += 1
             for pusher in self._progress_pushers:
                 pusher.push(message)
         return did
