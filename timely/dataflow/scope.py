@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
-from ..progress.timestamp import Summary, to_inner, to_outer
+from ..progress.timestamp import Summary
 from .capability import Capability
 from .channels import Broadcast, Exchange, Key, Pact, Pipeline, pact_of
 from .input import InputHandle, LoopHandle, ProbeHandle
@@ -432,14 +432,10 @@ class Stream:
         return self.unary_notify(logic, name, Exchange(0))
 
     # -- scopes and loops ----------------------------------------------------------------------
-    def enter(self, inner: Scope, name: str = "Enter") -> "Stream":
-        """Bring this stream into the nested scope ``inner``: time ``t`` becomes ``(t, 0)``."""
-        if inner.parent is not self.scope:
-            raise ValueError("enter() takes a scope nested directly in this stream's scope")
-        outer_levels = self.scope.levels
-        b = OperatorBuilder(inner, name)
-        b.new_output()
-        b.new_input(self, None, [[Summary.enter(outer_levels)]], levels=outer_levels)
+    def _restamp(self, b: OperatorBuilder, summary: Summary, levels: int | None = None) -> None:
+        """Connect this stream to ``b`` through ``summary`` and forward every batch at ``summary(t)``
+        (enter, leave and feedback are all such operators)."""
+        b.new_input(self, None, [[summary]], levels=levels)
         core = b.core
         port, out = core.inputs[0], core.outputs[0]
 
@@ -447,14 +443,23 @@ class Stream:
             caps[0].drop()
 
             def run() -> None:
+                # Sending at summary(t) is licensed by the declared input->output summary.
                 while port.queue:
                     time, batch = port.queue.popleft()
                     core.consumed(0, time, len(batch))
-                    out.send(to_inner(time), batch)
+                    out.send(summary.results_in(time), batch)
 
             return run
 
         b.build(build)
+
+    def enter(self, inner: Scope, name: str = "Enter") -> "Stream":
+        """Bring this stream into the nested scope ``inner``: time ``t`` becomes ``(t, 0)``."""
+        if inner.parent is not self.scope:
+            raise ValueError("enter() takes a scope nested directly in this stream's scope")
+        b = OperatorBuilder(inner, name)
+        b.new_output()
+        self._restamp(b, Summary.enter(self.scope.levels), levels=self.scope.levels)
         return Stream(inner, b.index, 0)
 
     def leave(self, name: str = "Leave") -> "Stream":
@@ -464,22 +469,7 @@ class Stream:
             raise ValueError("leave() needs a stream inside a nested scope")
         b = OperatorBuilder(inner.parent, name)
         b.new_output()
-        b.new_input(self, None, [[Summary.leave(inner.levels)]], levels=inner.levels)
-        core = b.core
-        port, out = core.inputs[0], core.outputs[0]
-
-        def build(caps: list[Capability]):
-            caps[0].drop()
-
-            def run() -> None:
-                while port.queue:
-                    time, batch = port.queue.popleft()
-                    core.consumed(0, time, len(batch))
-                    out.send(to_outer(time), batch)
-
-            return run
-
-        b.build(build)
+        self._restamp(b, Summary.leave(inner.levels), levels=inner.levels)
         return Stream(inner.parent, b.index, 0)
 
     def connect_loop(self, handle: LoopHandle) -> None:
@@ -488,24 +478,7 @@ class Stream:
             raise ValueError(f"feedback '{handle.name}' is already connected")
         if handle.scope is not self.scope:
             raise ValueError("connect_loop needs a stream of the scope the feedback was created in")
-        b = handle.builder
-        summary = handle.summary
-        b.new_input(self, None, [[summary]])
-        core = b.core
-        port, out = core.inputs[0], core.outputs[0]
-
-        def build(caps: list[Capability]):
-            caps[0].drop()
-
-            def run() -> None:
-                while port.queue:
-                    time, batch = port.queue.popleft()
-                    core.consumed(0, time, len(batch))
-                    out.send(summary.results_in(time), batch)
-
-            return run
-
-        b.build(build)
+        self._restamp(handle.builder, handle.summary)
         handle.connected = True
 
 
