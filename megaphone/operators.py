@@ -17,7 +17,7 @@ import pickle
 import time as _time
 from bisect import bisect_right
 from collections import defaultdict
-from itertools import count
+from itertools import count, islice
 from operator import itemgetter
 from typing import Any, Callable, Sequence
 
@@ -165,6 +165,7 @@ class _StateOperator:
         self.pending: dict[Any, list[list]] = {}  # time -> per input list of batches
         self.timer_heap: list[Any] = []  # times with timers (lazy: checked against timer_bins)
         self.seq = count()
+        self.per_record: Callable[[dict, Any, list], None] | None = None  # state_machine's fast path
 
     def hold(self, time: Any, cap: Any) -> None:
         if time not in self.caps:
@@ -196,7 +197,10 @@ class _StateOperator:
                 bin_ = shared.bins[b]
                 if bin_ is None:
                     bin_ = shared.bins[b] = Bin()
-                bin_.state.update(data)
+                if bin_.state:
+                    bin_.state.update(data)
+                else:
+                    bin_.state = data
                 for t, p in timers:
                     self.add_timer(b, bin_, t, p, cap)
             shared.events.append({"kind": "install", "time": cap.time, "bins": sorted(bins), "entries": entries,
@@ -221,6 +225,28 @@ class _StateOperator:
         for t in [t for t in self.caps if t not in self.pending and t not in shared.timer_bins]:
             self.caps.pop(t).drop()
 
+    def _apply_records(self, t: Any, out: OutputHandle) -> None:
+        """Fast path (``state_machine``: one input, no timers): each record straight into its bin."""
+        shared = self.shared
+        bins_held = shared.bins
+        apply = self.per_record
+        results: list = []
+        for batch in self.pending.pop(t)[0]:
+            try:
+                bins = _routing.bins_of(batch, self.keys[0], shared.k)
+            except Exception as e:
+                raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
+            for b, r in zip(bins, batch):
+                bin_ = bins_held[b]
+                if bin_ is None:
+                    raise MegaphoneError(
+                        f"'{shared.name}': records of bin {b} at time {t!r} reached worker {shared.index}, which "
+                        "does not hold the bin (routing invariant violated)"
+                    )
+                apply(bin_.state, r, results)
+        if results:
+            out.give_batch(self.caps[t], results)
+
     def _next_time(self) -> Any:
         heap = self.timer_heap
         while heap and heap[0] not in self.shared.timer_bins:
@@ -233,6 +259,9 @@ class _StateOperator:
     def _apply(self, t: Any, out: OutputHandle) -> None:
         shared = self.shared
         n = len(self.ports)
+        if self.per_record is not None and t not in shared.timer_bins:
+            self._apply_records(t, out)
+            return
         groups: dict[int, list[list]] = {}
         for i, batches in enumerate(self.pending.pop(t, [[]] * n)):
             for batch in batches:
@@ -345,12 +374,18 @@ class _RoutingOperator:
         nbytes = entries = 0
         for b in moved:
             bin_ = shared.take_bin(b)
-            items = list(bin_.state.items())
+            state = bin_.state
             timers = [(tt, p) for tt, _, p in sorted(bin_.timers, key=itemgetter(0, 1))]
-            entries += len(items)
-            # Bounded chunks: one state message per chunk; timers travel with the first.
-            for lo in range(0, max(len(items), 1), self.chunk):
-                payload = pickle.dumps((items[lo:lo + self.chunk], timers if lo == 0 else []), protocol=5)
+            entries += len(state)
+            # Bounded chunks: one state message per chunk of at most `chunk` entries (pickled as
+            # dicts, the fastest form to write and read back); timers travel with the first.
+            if len(state) <= self.chunk:
+                chunks = [state]
+            else:
+                it = iter(state.items())
+                chunks = [dict(islice(it, self.chunk)) for _ in range(0, len(state), self.chunk)]
+            for i, part in enumerate(chunks):
+                payload = pickle.dumps((part, timers if i == 0 else []), protocol=5)
                 nbytes += len(payload)
                 state_out.give_batch(cap, [(new[b], b, payload)])
         cap.drop()
@@ -452,7 +487,9 @@ def _build(streams: Sequence[timely.Stream], control: Any, keys: Sequence[Any], 
     sb.build(build_s)
     out = timely.Stream(scope, s_core.index, 0).probe_with(probe)
     probe.watch(f_core)  # F wakes up when S's output frontier moves
-    return Migratable(out, probe, shared)
+    handle = Migratable(out, probe, shared)
+    handle._s_op = s_op
+    return handle
 
 
 def unary(stream: timely.Stream, control: Any, key: Any, fold: Callable, bins: int | None = None,
@@ -500,4 +537,16 @@ def state_machine(stream: timely.Stream, control: Any, key: Any, fold: Callable,
                 out.extend(outputs)
         return out
 
-    return _build([stream], control, [0 if key is None else key], logic, bins, name, chunk)
+    def apply(state: dict, record: Any, out: list) -> None:
+        k, v = record
+        new, outputs = fold(k, v, state.get(k))
+        if new is None:
+            state.pop(k, None)
+        else:
+            state[k] = new
+        if outputs:
+            out.extend(outputs)
+
+    handle = _build([stream], control, [0 if key is None else key], logic, bins, name, chunk)
+    handle._s_op.per_record = apply
+    return handle

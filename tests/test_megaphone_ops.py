@@ -79,7 +79,7 @@ def sm_job(epochs, moves, k):
         with worker.dataflow() as scope:
             data = scope.new_input()
             control = megaphone.ControlInput(scope, bins=k)
-            m = megaphone.state_machine(data.stream, control, None, fold)
+            m = megaphone.state_machine(data.stream, control, None, fold, chunk=4)  # many chunks per bin
             cap = m.stream.capture()
         owned = drive(worker, [data], control, m, epochs, moves)
         data.close()
