@@ -25,5 +25,12 @@ demo: install
 	$(BIN)/python -m timely.launch -w 2 examples/wordcount.py
 	$(BIN)/python examples/spark_demo.py --workers 2 --megaphone
 
+# The benchmarks (figures go to bench/RESULTS.md by hand; plots to bench/plots or bench/out).
+bench: install
+	$(BIN)/python -m pip install -q -e '.[test,bench]' --config-settings editable_mode=compat
+	$(BIN)/python bench/exchange.py
+	$(BIN)/python bench/migration.py --out bench/plots
+	$(BIN)/python bench/nexmark.py --query q1,q3,q4 --variant both --rate 200000 --duration 6
+
 clean:
 	rm -rf build $(VENV) timely/_native/*.so timely/_native/*.c native/*.c *.egg-info

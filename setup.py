@@ -12,7 +12,7 @@ import sysconfig
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-NATIVE_MODULES = ["hashing"]  # native/<name>.pyx -> timely._native.<name>
+NATIVE_MODULES = ["hashing", "nexmark_gen"]  # native/<name>.pyx -> timely._native.<name>
 
 
 class CheckedBuildExt(build_ext):

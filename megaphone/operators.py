@@ -289,7 +289,7 @@ class _StateOperator:
             records = groups.get(b) or [[] for _ in range(n)]
             result = self.fold(t, *records, timers, bin_.state, BinNotificator(self, b, bin_, t))
             if result:
-                out.give_batch(cap, result if isinstance(result, list) else list(result))
+                out.session(cap).give_batch(result)  # buffered: one message per time, not per bin
 
 
 class _RoutingOperator:

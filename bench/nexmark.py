@@ -1,0 +1,173 @@
+"""NEXMark Q0-Q8 at a fixed open-loop rate, native and with Megaphone, with optional migrations.
+
+For each query and variant: run for ``--duration`` seconds at ``--rate`` events/s (all workers
+together) on ``--workers`` workers; report throughput, latency percentiles (latency = wall time when
+the output probe passes a record's epoch minus the record's scheduled time), a per-250 ms timeline
+(CSV + PNG), migration maximum latency and duration, and peak memory; a summary table at the end.
+A run "sustains" its rate when the output is complete within 1 s of the end of the schedule and
+p99 latency stays under 1 s. "per CPU-s" is events per CPU-second used by all workers (a capacity
+estimate that contention from other processes distorts less than wall-clock throughput).
+
+    .venv/bin/python bench/nexmark.py --query q1,q3 --variant both --rate 100000 --duration 20
+    .venv/bin/python bench/nexmark.py --query q3 --variant megaphone --workers 2 --rate 50000 \\
+        --duration 30 --migration batched --migrate-at 15
+    .venv/bin/python bench/nexmark.py --check              # every query vs the reference, 1-3 workers
+
+Event time runs ``--time-dilation`` times faster than wall time (the paper uses 60 for Q5 and 79
+for Q8). Windows are in event time: ``--param q5_window_ms=60000`` etc. (see nexmark.model.Params).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nexmark.driver import Spec, run, run_isolated  # noqa: E402
+from nexmark.harness import Run, diff, execute, expected, random_moves  # noqa: E402
+from nexmark.model import Config, Params  # noqa: E402
+from nexmark.queries import QUERIES  # noqa: E402
+from nexmark.report import Summary, fmt_s, plot, summarise, table, timeline_text, write_csv  # noqa: E402
+
+
+def parse_params(items: list[str]) -> dict:
+    """``name=value`` overrides of :class:`nexmark.model.Params` (integers)."""
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in Params._fields or name == "d":
+            raise SystemExit(f"unknown query parameter {name!r} (one of {', '.join(Params._fields[1:])})")
+        out[name] = int(value)
+    return out
+
+
+def check(queries: list[str], variants: list[bool], workers: list[int], events: int, seed: int) -> bool:
+    """Every query's output on a small seed against the reference (Megaphone with random moves)."""
+    config = Config(rate=100_000, time_dilation=3, in_flight_auctions=20, seed=seed)
+    params = Params(d=3, q5_window_ms=36, q5_slide_ms=9, q7_window_ms=15, q8_window_ms=60, q2_skip=7)
+    ok = True
+    for q in queries:
+        want = expected(Run(q, config, events, params))
+        for flex in variants:
+            for w in workers:
+                r = Run(q, config, events, params, workers=w, flex=flex)
+                if flex:
+                    r.moves = random_moves(seed + w, r.epochs, r.bins, w, count=6)
+                started = time.perf_counter()
+                got = execute(r)
+                problem = diff(got, want)
+                ok = ok and not problem
+                print(f"check {q:3} {'megaphone' if flex else 'native':9} workers={w}: "
+                      f"{'OK' if not problem else 'FAIL'} ({sum(want.values())} records, "
+                      f"{time.perf_counter() - started:.2f} s)" + (f"\n{problem}" if problem else ""), flush=True)
+    return ok
+
+
+def bench_one(args: argparse.Namespace, q: str, flex: bool, rate: int, params: dict, out_dir: Path) -> Summary:
+    """Run one query variant at one rate; print its figures; write its CSV, JSON and PNG."""
+    spec = Spec(query=q, flex=flex, rate=rate, duration=args.duration, workers=args.workers,
+                time_dilation=args.time_dilation, seed=args.seed, bins=args.bins,
+                migration=args.migration if flex else None, migrate_at=args.migrate_at if flex else [],
+                params=params, in_flight_auctions=args.in_flight_auctions, progress=not args.no_progress, gc=args.gc)
+    label = f"{q}-{'megaphone' if flex else 'native'}" + (f"-{args.migration}" if spec.migration else "")
+    print(f"\n== {label}: {rate:,} events/s for {args.duration:g} s on {args.workers} worker(s)", flush=True)
+    s = summarise(label, spec, run_isolated(spec) if args.isolate else run(spec))
+    o = s.overall
+    print(f"sent {s.sent:,} events, {s.produced:,} output records; throughput {s.throughput:,.0f} events/s "
+          f"({s.throughput / s.workers:,.0f} per worker); {s.per_cpu_second:,.0f} events per CPU-second; "
+          f"drain {fmt_s(s.drain)}; {'sustained' if s.sustained else 'NOT sustained'}")
+    print(f"latency p25 {fmt_s(o[0])}  p50 {fmt_s(o[1])}  p75 {fmt_s(o[2])}  p95 {fmt_s(o[3])}  "
+          f"p99 {fmt_s(o[4])}  p99.9 {fmt_s(o[5])}  max {fmt_s(o[6])}")
+    print(f"peak RSS per worker: {', '.join(f'{x / 2**20:,.0f} MiB' for x in s.peak_rss)}")
+    for mid, m in s.migration.items():
+        print(f"migration {mid}: {m['bins']} bins in {m['steps']} steps from {m['start']:.2f} s, "
+              f"duration {fmt_s(m['duration'])}, longest step {fmt_s(m['max_step'])}, "
+              f"max latency {fmt_s(m['max_latency'])}, p99 {fmt_s(m['p99_latency'])}")
+    if args.timeline:
+        print(timeline_text(s))
+    stem = out_dir / f"{label}-w{args.workers}-r{rate}"
+    write_csv(s, f"{stem}.csv")
+    with open(f"{stem}.json", "w") as f:
+        json.dump({"command": shlex.join([sys.executable, *sys.argv]), "spec": spec.as_dict(),
+                   "summary": dict(s.__dict__)}, f, default=str)
+    if not args.no_plot:
+        plot(s, f"{stem}.png", f"{label}: {rate:,} ev/s, {args.workers} worker(s), d={args.time_dilation}")
+        print(f"plot: {stem}.png")
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--query", default="q1", help="comma-separated queries (q0..q8) or 'all' (default q1)")
+    ap.add_argument("--variant", choices=("native", "megaphone", "both"), default="native")
+    ap.add_argument("--rate", default="100000",
+                    help="events per second, all workers (default 100000); a comma-separated list runs each rate in "
+                         "turn, up to the first one a query does not sustain")
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds of input (default 10)")
+    ap.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    ap.add_argument("--time-dilation", type=int, default=1, help="event time / wall time (default 1)")
+    ap.add_argument("--bins", type=int, default=8, help="k: 2^k Megaphone bins (default 8)")
+    ap.add_argument("--migration", choices=("all_at_once", "fluid", "batched"), default=None,
+                    help="migration strategy (Megaphone variant; needs --migrate-at)")
+    ap.add_argument("--migrate-at", type=float, action="append", default=[],
+                    help="seconds after the start at which to migrate (repeatable: skewed, then balanced, ...)")
+    ap.add_argument("--in-flight-auctions", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--param", action="append", default=[], help="query parameter override, e.g. q8_window_ms=60000")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "nexmark"),
+                    help="directory for PNG/CSV/JSON per run (default bench/out/nexmark, git-ignored)")
+    ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    ap.add_argument("--timeline", action="store_true", help="print the per-250 ms timeline (p50, p99, max, samples)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--gc", choices=("tuned", "off", "default"), default="tuned",
+                    help="worker garbage collector in the measured phase (default tuned: freeze + rare collections)")
+    ap.add_argument("--no-isolate", dest="isolate", action="store_false",
+                    help="run in this process instead of a fresh one per run (peak RSS then accumulates)")
+    ap.add_argument("--check", action="store_true", help="verify the queries against the reference and exit")
+    ap.add_argument("--check-events", type=int, default=6000)
+    ap.add_argument("--check-workers", default="1", help="comma-separated worker counts for --check (default 1)")
+    args = ap.parse_args(argv)
+
+    print("command:", shlex.join([sys.executable, *sys.argv]))
+    print(f"os.cpu_count(): {os.cpu_count()}  python: {sys.version.split()[0]}", flush=True)
+    queries = sorted(QUERIES) if args.query == "all" else args.query.split(",")
+    for q in queries:
+        if q not in QUERIES:
+            raise SystemExit(f"unknown query {q!r} (one of {', '.join(sorted(QUERIES))} or 'all')")
+    variants = {"native": [False], "megaphone": [True], "both": [False, True]}[args.variant]
+
+    if args.check:
+        ok = check(queries, variants, [int(w) for w in args.check_workers.split(",")], args.check_events, args.seed)
+        print("check:", "all OK" if ok else "FAILED")
+        return 0 if ok else 1
+
+    if args.migration and not args.migrate_at:
+        raise SystemExit("--migration needs --migrate-at SECONDS")
+    if args.migration and args.workers == 1:
+        print("warning: with 1 worker every bin stays on worker 0: the migration moves nothing", flush=True)
+    if args.migration and args.variant == "native":
+        print("warning: --migration applies to the Megaphone variant only (--variant megaphone|both)", flush=True)
+    params = parse_params(args.param)
+    rates = [int(float(r)) for r in args.rate.split(",")]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summaries: list[Summary] = []
+    for q in queries:
+        for flex in variants:
+            for rate in rates:
+                s = bench_one(args, q, flex, rate, params, out_dir)
+                summaries.append(s)
+                if not s.sustained:
+                    break
+    print("\n" + table(summaries))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Summaries, timelines and plots of benchmark runs (used by ``bench/nexmark.py``)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .metrics import INTERVAL, Timeline, quantiles
+
+
+@dataclass
+class Summary:
+    """The merged result of one run over all workers."""
+
+    label: str
+    rate: int
+    duration: float
+    workers: int
+    sent: int
+    produced: int
+    elapsed: float  # seconds until the last worker saw its output complete
+    cpu: float  # CPU seconds used by all workers during the run
+    overall: list[float]  # latency quantiles (s): p25 p50 p75 p95 p99 p99.9 max
+    timeline: list[tuple[float, float, float, float, int]]  # (t, p50, p99, max, samples) per 250 ms
+    acked: list[int]  # records acknowledged per 250 ms of wall time
+    peak_rss: list[int]  # per worker, bytes (largest RSS sample)
+    steps: list[dict] = field(default_factory=list)
+    migration: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float:
+        """Records per second from the start until the output was complete."""
+        return self.sent / self.elapsed if self.elapsed else 0.0
+
+    @property
+    def per_cpu_second(self) -> float:
+        """Records per CPU second (all workers): what one fully busy core would sustain at this load."""
+        return self.sent / self.cpu if self.cpu else 0.0
+
+    @property
+    def drain(self) -> float:
+        """Seconds between the end of the input schedule and the end of the output."""
+        return max(0.0, self.elapsed - self.duration)
+
+    @property
+    def sustained(self) -> bool:
+        """The run kept up: the output finished within 1 s of the schedule and p99 stayed under 1 s."""
+        return self.drain < 1.0 and not (self.overall[4] > 1.0)
+
+
+def summarise(label: str, spec: Any, results: list[dict]) -> Summary:
+    """Merge the per-worker results of a run."""
+    tl = Timeline.merged([r["timeline"] for r in results])
+    rows = []
+    for i, hist in enumerate(tl.per_interval):
+        n = int(hist.sum())
+        if n:
+            p50, p99, mx = quantiles(hist, (0.5, 0.99, 1.0))
+            rows.append((i * INTERVAL, p50, p99, mx, n))
+    width = max(len(r["acked_per_interval"]) for r in results)
+    acked = [sum(r["acked_per_interval"][i] for r in results if i < len(r["acked_per_interval"])) for i in range(width)]
+    s = Summary(label=label, rate=spec.rate, duration=spec.duration, workers=len(results),
+                sent=sum(r["sent"] for r in results), produced=sum(r["produced"] for r in results),
+                elapsed=max(r["elapsed"] for r in results), cpu=sum(r.get("cpu", 0.0) for r in results), overall=quantiles(tl.overall), timeline=rows,
+                acked=acked, peak_rss=[r["peak_rss"] for r in results],
+                steps=[st for r in results for st in r["steps"]])
+    s.migration = migration_metrics(s)
+    return s
+
+
+def migration_metrics(s: Summary) -> dict[str, Any]:
+    """Steps, duration (first issue to last completion) and the maximum latency of the records
+    scheduled meanwhile, per migration."""
+    by_mig: dict[int, list[dict]] = {}
+    for st in s.steps:
+        by_mig.setdefault(st["migration"], []).append(st)
+    out = {}
+    for mid, steps in sorted(by_mig.items()):
+        issued = [st["issued_rel"] for st in steps if st["issued_rel"] is not None]
+        done = [st["completed_rel"] for st in steps if st["completed_rel"] is not None]
+        if not issued:
+            continue
+        start = min(issued)
+        end = max(done) if len(done) == len(steps) else None
+        hi = (end if end is not None else s.duration) + INTERVAL
+        during = [r for r in s.timeline if start - INTERVAL <= r[0] <= hi]
+        out[mid] = {
+            "steps": len(steps), "bins": sum(len(st["moves"]) for st in steps), "start": start,
+            "duration": None if end is None else end - start,
+            "max_latency": max((r[3] for r in during), default=float("nan")),
+            "p99_latency": max((r[2] for r in during), default=float("nan")),
+            "max_step": max((st["duration"] or 0.0 for st in steps), default=0.0),
+        }
+    return out
+
+
+def fmt_s(x: float | None) -> str:
+    """Seconds as a short human string (us/ms/s)."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if x < 1e-3:
+        return f"{x * 1e6:.0f}us"
+    if x < 1:
+        return f"{x * 1e3:.1f}ms"
+    return f"{x:.2f}s"
+
+
+def table(rows: list[Summary]) -> str:
+    """The summary table of several runs."""
+    head = ["run", "workers", "rate/s", "throughput/s", "per worker/s", "per CPU-s", "p50", "p99", "p99.9", "max", "drain",
+            "ok", "migr. max", "migr. dur", "peak RSS"]
+    lines = [head]
+    for s in rows:
+        mig = list(s.migration.values())
+        lines.append([
+            s.label, str(s.workers), f"{s.rate:,}", f"{s.throughput:,.0f}", f"{s.throughput / s.workers:,.0f}",
+            f"{s.per_cpu_second:,.0f}",
+            fmt_s(s.overall[1]), fmt_s(s.overall[4]), fmt_s(s.overall[5]), fmt_s(s.overall[6]), fmt_s(s.drain),
+            "yes" if s.sustained else "NO",
+            " / ".join(fmt_s(m["max_latency"]) for m in mig) or "-",
+            " / ".join(fmt_s(m["duration"]) for m in mig) or "-",
+            f"{max(s.peak_rss) / 2**20:,.0f} MiB",
+        ])
+    widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
+    out = []
+    for j, r in enumerate(lines):
+        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def timeline_text(s: Summary, every: float = INTERVAL) -> str:
+    """The per-250 ms timeline (or one line per ``every`` seconds: the worst bucket of each)."""
+    lines = ["  t(s)      p50      p99      max   samples"]
+    step = max(1, int(round(every / INTERVAL)))
+    for i in range(0, len(s.timeline), step):
+        chunk = s.timeline[i:i + step]
+        lines.append(f"{chunk[0][0]:6.2f} {fmt_s(max(r[1] for r in chunk)):>8} {fmt_s(max(r[2] for r in chunk)):>8} "
+                     f"{fmt_s(max(r[3] for r in chunk)):>8} {sum(r[4] for r in chunk):9d}")
+    return "\n".join(lines)
+
+
+def write_csv(s: Summary, path: str) -> None:
+    """The per-250 ms timeline as CSV (scheduled time, p50, p99, max, samples; seconds)."""
+    with open(path, "w") as f:
+        f.write("t,p50,p99,max,samples\n")
+        for r in s.timeline:
+            f.write(f"{r[0]:.3f},{r[1]:.6f},{r[2]:.6f},{r[3]:.6f},{r[4]}\n")
+
+
+def plot(s: Summary, path: str, title: str) -> None:
+    """A PNG like the paper's timeline figures: latency percentiles per 250 ms (log scale) over the
+    records' scheduled time, throughput below, migrations shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    if s.timeline:
+        t = np.array([r[0] for r in s.timeline])
+        for col, label, style in ((3, "max", "-"), (2, "p99", "-"), (1, "p50", "-")):
+            ax.plot(t, [r[col] * 1e3 for r in s.timeline], style, label=label, linewidth=1)
+    ax.set_yscale("log")
+    ax.set_ylabel("latency [ms]")
+    ax.grid(True, which="both", alpha=0.3)
+    for m in s.migration.values():
+        end = m["start"] + (m["duration"] if m["duration"] is not None else 0.25)
+        for a in (ax, ax2):
+            a.axvspan(m["start"], end, color="orange", alpha=0.25)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    acked = np.array(s.acked[:int(s.elapsed / INTERVAL) + 2], dtype=float) / INTERVAL
+    ax2.plot(np.arange(len(acked)) * INTERVAL, acked / 1e3, linewidth=1)
+    ax2.set_ylabel("k records/s")
+    ax2.set_xlabel("time [s]")
+    ax2.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,124 @@
+"""NEXMark: the generator, and every query (native and Megaphone) against the sequential reference.
+
+Each query runs on 6000 events (60 epochs) on 1, 2 and 3 workers; its output, a multiset of
+``(epoch, record)``, must equal :mod:`nexmark.reference` on the same events. The Megaphone variant
+must give the same output while worker 0 moves random bins to random workers at random epochs.
+Event time runs 3x faster than epochs (time dilation 3). A third test stamps runs of 1-4 epochs at
+their first epoch, as a driver that falls behind does; both variants must still match.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from conftest import WORKER_COUNTS, WORKER_IDS
+from nexmark.generator import Generator
+from nexmark.harness import Run, diff, execute, expected, random_moves
+from nexmark.model import Config, Params
+from nexmark.queries import QUERIES
+
+workers_param = pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
+queries_param = pytest.mark.parametrize("query", sorted(QUERIES))
+
+EVENTS = 6000
+CONFIG = Config(rate=100_000, time_dilation=3, in_flight_auctions=20, seed=11)
+PARAMS = Params(d=3, q5_window_ms=36, q5_slide_ms=9, q7_window_ms=15, q8_window_ms=60, q2_skip=7)
+_expected: dict = {}
+
+
+def reference(run: Run) -> Counter:
+    """The reference output, cached per query and stamping (it does not depend on workers)."""
+    key = (run.query, run.config, run.params, run.events, run.batching)
+    if key not in _expected:
+        _expected[key] = expected(run)
+    return _expected[key]
+
+
+def check(run: Run) -> None:
+    want = reference(run)
+    assert sum(want.values()) > 0, "the test configuration yields no output for this query"
+    got = execute(run)
+    assert got == want, f"{run.query} ({'megaphone' if run.flex else 'native'}, {run.workers} workers):\n" + diff(got, want)
+
+
+# -- the generator ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["native", "numpy"])
+@pytest.mark.timeout(60)
+def test_generator_is_deterministic_and_split_by_event_number(backend):
+    config = Config(rate=1_000_000, seed=3)
+    whole = Generator(config, backend=backend).events(0, 20_000)
+    assert whole == Generator(config, backend=backend).events(0, 20_000)
+    for peers in (2, 3):
+        parts = [Generator(config, i, peers, chunk=333, backend=backend) for i in range(peers)]
+        merged: list[list] = [[], [], []]
+        for hi in (1, 17, 4000, 4001, 12_345, 20_000):  # uneven cursor steps across chunk edges
+            for g in parts:
+                for kind, recs in zip(merged, g.until(hi)):
+                    kind.extend(recs)
+        for kind, recs in zip(merged, whole):
+            assert sorted(kind) == sorted(recs)
+    assert Generator(Config(rate=1_000_000, seed=4), backend=backend).events(0, 20_000) != whole
+
+
+@pytest.mark.timeout(60)
+def test_native_and_numpy_generators_agree():
+    for config in (Config(rate=1_000_000), Config(rate=50_000, time_dilation=79, seed=-5, in_flight_auctions=7)):
+        assert Generator(config, backend="native").events(0, 200_000) == \
+            Generator(config, backend="numpy").events(0, 200_000)
+        for peers in (2, 3):
+            native = Generator(config, peers - 1, peers, backend="native")
+            numpy = Generator(config, peers - 1, peers, chunk=1000, backend="numpy")
+            for hi in (5, 999, 1000, 7777, 30_000):
+                assert native.until(hi) == numpy.until(hi)
+
+
+@pytest.mark.timeout(60)
+def test_generator_proportions_ids_and_times():
+    config = Config(rate=50_000, time_dilation=2)
+    persons, auctions, bids = Generator(config).events(0, 50_000)
+    assert (len(persons), len(auctions), len(bids)) == (1000, 3000, 46_000)
+    assert [p[0] for p in persons] == list(range(1000, 2000))
+    assert [a[0] for a in auctions] == list(range(1000, 4000))
+    assert all(a[6] > a[5] and a[4] >= a[3] > 0 for a in auctions)
+    assert all(100 <= b[2] <= 100_000_000 for b in bids)
+    assert bids[-1][3] == config.date_time(49_999) == (49_999 * 1000 * 2) // 50_000
+    hot = Counter(a[7] for a in auctions).most_common(1)[0]
+    assert hot[0] % 100 == 0 and hot[1] > len(auctions) // 20  # hot sellers are multiples of 100
+    assert Counter(b[0] % 100 == 0 for b in bids)[True] > len(bids) // 3  # half the bids: hot auctions
+    open_now = [a for a in auctions if a[5] <= bids[-1][3] < a[6]]
+    assert 0 < len(open_now) < 4 * config.in_flight_auctions
+
+
+# -- the queries -------------------------------------------------------------------------------------
+
+@workers_param
+@queries_param
+@pytest.mark.timeout(120)
+def test_native_query_matches_reference(query, workers):
+    check(Run(query, CONFIG, EVENTS, PARAMS, workers=workers))
+
+
+@workers_param
+@queries_param
+@pytest.mark.timeout(120)
+def test_megaphone_query_with_migrations_matches_reference(query, workers):
+    run = Run(query, CONFIG, EVENTS, PARAMS, workers=workers, flex=True, bins=4)
+    run.moves = random_moves(seed=int(query[1:]) * 10 + workers, epochs=run.epochs, bins=run.bins,
+                             workers=workers, count=6)
+    if workers > 1:  # some bin really leaves its initial worker (bin b starts on b % workers)
+        assert any(w != b % workers for m in run.moves.values() for b, w in m.items())
+    check(run)
+
+
+@workers_param
+@queries_param
+@pytest.mark.timeout(120)
+def test_queries_with_batched_stamps(query, workers):
+    """Runs of epochs stamped early (a lagging driver): native and Megaphone both match."""
+    for flex in (False, True):
+        run = Run(query, CONFIG, EVENTS, PARAMS, workers=workers, flex=flex, batching=workers + 17)
+        if flex:
+            run.moves = random_moves(seed=workers, epochs=run.epochs, bins=run.bins, workers=workers)
+        check(run)
