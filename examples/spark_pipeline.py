@@ -21,6 +21,7 @@ The job runs until Spark calls ``spark_bridge.shutdown(COORDINATOR)``.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import os
 
@@ -96,8 +97,10 @@ def main(worker: timely.Worker):
     if args.megaphone:
         summary["migration_events"] = len(counts.events)
         summary["owned_bins"] = counts.owned_bins()
-        print(f"worker {worker.index}: {len(counts.events)} migration events, owns bins {counts.owned_bins()}",
-              flush=True)
+        # One write per line, so the lines of concurrent workers do not interleave.
+        sys.stdout.write(f"worker {worker.index}: {len(counts.events)} migration events, owns bins "
+                         f"{counts.owned_bins()}\n")
+        sys.stdout.flush()
     if captured is not None:
         batches = captured.extract()
         with open(os.path.join(args.capture, f"worker-{worker.index}.json"), "w") as f:

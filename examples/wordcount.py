@@ -5,6 +5,8 @@ on one worker; each worker prints the counts it owns once an epoch is complete.
 """
 from __future__ import annotations
 
+import sys
+
 import timely
 
 TEXT = [
@@ -14,6 +16,12 @@ TEXT = [
 ]
 
 
+def say(line: str) -> None:
+    """Print a whole line in one write, so lines of concurrent workers do not interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main(worker: timely.Worker):
     epochs = int(worker.args[0]) if worker.args else 3
     with worker.dataflow() as scope:
@@ -21,8 +29,8 @@ def main(worker: timely.Worker):
         counts = (
             inp.stream.flat_map(str.split)
             .count_by_key()  # per epoch: (word, count), words exchanged by their hash
-            .inspect_batch(lambda t, batch: print(
-                f"worker {worker.index} epoch {t}: " + ", ".join(f"{w}={c}" for w, c in sorted(batch)), flush=True))
+            .inspect_batch(lambda t, batch: say(
+                f"worker {worker.index} epoch {t}: " + ", ".join(f"{w}={c}" for w, c in sorted(batch))))
         )
         probe = counts.probe()
     total = 0
