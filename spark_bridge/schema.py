@@ -299,7 +299,6 @@ def arrow_schema(fields: Sequence[Field]):
 
 def from_arrow_type(t) -> str:
     """The Spark type string of an Arrow type."""
-    import pyarrow as pa
     import pyarrow.types as pt
 
     if pt.is_boolean(t):

@@ -13,62 +13,34 @@ import time
 
 import pytest
 
+from procs import become_subreaper, children, reap_zombies
 from timely.cluster import supervise
 from timely.comm import framing
 from timely.comm.endpoints import free_loopback_ports, ipc_endpoints, parse_hostfile, hostfile_endpoints
 from timely.comm.zmq_allocator import AddressInUse, ChannelMismatch, HandshakeError, PeerLost, ZmqAllocator
 
-_PR_SET_CHILD_SUBREAPER = 36
-
-
-def _children(pid: int) -> list[tuple[int, str]]:
-    """(pid, state) of every process whose parent is ``pid`` (from /proc; zombies included)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append((int(entry), fields[0]))
-    return out
 
 
 @pytest.fixture
 def no_leftovers():
     """Make this process the reaper of orphans, and after the test kill + reap every child left,
     failing the test if there was any."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    before = {pid for pid, _ in _children(os.getpid())}  # not ours: e.g. other fixtures' servers
+    become_subreaper()
+    before = {pid for pid, _ in children(os.getpid())}  # not ours: e.g. other fixtures' servers
     yield
     deadline = time.monotonic() + 5
-    left = [c for c in _children(os.getpid()) if c[0] not in before]
+    left = [c for c in children(os.getpid()) if c[0] not in before]
     while left and time.monotonic() < deadline:  # give exiting processes a moment
         time.sleep(0.05)
-        _reap_zombies(before)
-        left = [c for c in _children(os.getpid()) if c[1] != "Z" and c[0] not in before]
+        reap_zombies(before)
+        left = [c for c in children(os.getpid()) if c[1] != "Z" and c[0] not in before]
     for pid, _ in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    _reap_zombies(before)
+    reap_zombies(before)
     assert not left, f"processes left behind: {left}"
-
-
-def _reap_zombies(exclude: set[int]) -> None:
-    for pid, _ in _children(os.getpid()):
-        if pid in exclude:
-            continue
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
 
 
 @pytest.fixture

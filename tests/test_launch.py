@@ -18,46 +18,18 @@ import time
 import pytest
 
 import timely
+from procs import become_subreaper, children, reap_zombies
 from timely.cluster import WorkerError, execute_cluster
 from timely.comm.endpoints import free_loopback_ports
 
-_PR_SET_CHILD_SUBREAPER = 36
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _children(pid: int) -> list[tuple[int, str]]:
-    """(pid, state) of every process whose parent is ``pid`` (from /proc; zombies included)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append((int(entry), fields[0]))
-    return out
-
-
-def _reap_zombies(exclude: set[int]) -> None:
-    for pid, _ in _children(os.getpid()):
-        if pid in exclude:
-            continue
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
 
 
 @pytest.fixture
 def no_leftovers():
     """After the test, kill and reap every child (orphaned workers included) and fail if any."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    before = {pid for pid, _ in _children(os.getpid())}  # not ours: e.g. other fixtures' servers
+    become_subreaper()
+    before = {pid for pid, _ in children(os.getpid())}  # not ours: e.g. other fixtures' servers
     started: list[subprocess.Popen] = []
     yield started
     for proc in started:  # launchers the test could not finish with
@@ -65,19 +37,19 @@ def no_leftovers():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
     deadline = time.monotonic() + 5
-    _reap_zombies(before)
-    left = [c for c in _children(os.getpid()) if c[1] != "Z" and c[0] not in before]
+    reap_zombies(before)
+    left = [c for c in children(os.getpid()) if c[1] != "Z" and c[0] not in before]
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        _reap_zombies(before)
-        left = [c for c in _children(os.getpid()) if c[1] != "Z" and c[0] not in before]
+        reap_zombies(before)
+        left = [c for c in children(os.getpid()) if c[1] != "Z" and c[0] not in before]
     for pid, _ in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     time.sleep(0.1)
-    _reap_zombies(before)
+    reap_zombies(before)
     assert not left, f"processes left behind: {left}"
 
 

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import megaphone
-from conftest import WORKER_COUNTS, WORKER_IDS, bag, examples, norm, run
+from conftest import WORKER_COUNTS, WORKER_IDS, examples, norm, run
 
 workers_param = pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
 STEP_TIMEOUT = 30

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import timely
 from timely.comm.allocator import LocalPuller
-from timely.progress import Builder, Source, Target, less_equal, minimum
+from timely.progress import Builder, Source, less_equal, minimum
 
 
 class SimNetwork:

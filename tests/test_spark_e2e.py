@@ -23,7 +23,7 @@ if not (os.environ.get("JAVA_HOME") or __import__("shutil").which("java")):
 pq = pytest.importorskip("pyarrow.parquet")
 
 import spark_bridge  # noqa: E402
-import timely  # noqa: E402
+from sparkjob import ThreadJob  # noqa: E402
 
 ROOT = str(Path(__file__).resolve().parents[1])
 SCHEMA = "key bigint, value bigint"
@@ -70,64 +70,6 @@ def _stop_jvm() -> None:
         except Exception:
             proc.kill()
             proc.wait()
-
-
-class ThreadJob:
-    """A one-worker timely job in a background thread, serving the bridge on an auto-chosen port."""
-
-    def __init__(self, build) -> None:
-        self.build = build
-        self.ready = threading.Event()
-        self.endpoint = None
-        self.result = None
-        self.error = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        def main(worker):
-            with worker.dataflow() as scope:
-                grab = self.build(scope, "tcp://127.0.0.1:0")
-            self.endpoint = spark_bridge.endpoint(worker)
-            self.ready.set()
-            worker.finish()
-            return grab()
-
-        try:
-            self.result = timely.execute(main, workers=1)[0]
-        except BaseException as e:
-            self.error = e
-        finally:
-            self.ready.set()
-
-    def __enter__(self) -> "ThreadJob":
-        self.thread.start()
-        assert self.ready.wait(30), "timely job did not start"
-        if self.error:
-            raise self.error
-        return self
-
-    def stop(self):
-        if self.thread.is_alive():
-            try:
-                spark_bridge.shutdown(self.endpoint, timeout=5)
-            except spark_bridge.BridgeError:
-                pass
-            self.thread.join(30)
-        assert not self.thread.is_alive(), "timely job did not finish after shutdown"
-        if self.error:
-            raise self.error
-        return self.result
-
-    def __exit__(self, *exc) -> None:
-        if self.thread.is_alive():
-            try:
-                spark_bridge.shutdown(self.endpoint, timeout=5)
-            except Exception:
-                pass
-            self.thread.join(30)
-
-    def stats(self, stream="events"):
-        return spark_bridge.status(self.endpoint)["stats"][stream]
 
 
 def agg_job(scope, ep):

@@ -2,7 +2,6 @@
 through the bridge's client functions against a timely job running in a thread."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 
@@ -11,6 +10,7 @@ np = pytest.importorskip("numpy")
 pytest.importorskip("pyspark")
 
 import spark_bridge  # noqa: E402
+from sparkjob import ThreadJob
 import timely  # noqa: E402
 from spark_bridge import datasource as D  # noqa: E402
 from spark_bridge import schema as S  # noqa: E402
@@ -65,61 +65,6 @@ def test_vectorised_key_hash_equals_hash64():
 
 
 # -- protocol against a running job (no Spark) -----------------------------------------------------------
-class ThreadJob:
-    """A one-worker timely job in a background thread, serving the bridge on an auto-chosen port."""
-
-    def __init__(self, build, workers: int = 1) -> None:
-        self.build = build
-        self.ready = threading.Event()
-        self.endpoint = None
-        self.result = None
-        self.error = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        def main(worker):
-            with worker.dataflow() as scope:
-                grab = self.build(scope, "tcp://127.0.0.1:0")
-            self.endpoint = spark_bridge.endpoint(worker)
-            self.ready.set()
-            worker.finish()
-            return grab()
-
-        try:
-            self.result = timely.execute(main, workers=1)[0]
-        except BaseException as e:  # surfaced by stop()
-            self.error = e
-        finally:
-            self.ready.set()
-
-    def __enter__(self) -> "ThreadJob":
-        self.thread.start()
-        assert self.ready.wait(30), "timely job did not start"
-        if self.error:
-            raise self.error
-        return self
-
-    def stop(self):
-        if self.thread.is_alive():
-            try:
-                spark_bridge.shutdown(self.endpoint, timeout=5)
-            except spark_bridge.BridgeError:
-                pass
-            self.thread.join(30)
-        assert not self.thread.is_alive(), "timely job did not finish after shutdown"
-        if self.error:
-            raise self.error
-        return self.result
-
-    def __exit__(self, *exc) -> None:
-        if self.thread.is_alive():
-            try:
-                spark_bridge.shutdown(self.endpoint, timeout=5)
-            except Exception:
-                pass
-            self.thread.join(30)
-
-
 def capture_job(scope, ep):
     ev = spark_bridge.source(scope, "events", SCHEMA, coordinator=ep)
     cap = ev.capture()

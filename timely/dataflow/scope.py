@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 from ..progress.timestamp import Summary
 from .capability import Capability
-from .channels import Broadcast, Exchange, Key, Pact, Pipeline, pact_of
+from .channels import Broadcast, Exchange, Key, Pact, pact_of
 from .input import InputHandle, LoopHandle, ProbeHandle
 from .operator import InputHandle as OpInput
 from .operator import Notificator, OperatorBuilder, OutputHandle
