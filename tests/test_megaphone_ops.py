@@ -55,6 +55,11 @@ def check_ownership(results, peers: int, k: int):
             assert holders[b] == [table[b]], f"epoch {e}: bin {b} held by {holders[b]}, table says {table[b]}"
 
 
+def outputs(results) -> Counter:
+    """Every output record of every worker, as a multiset of ``(time, *record)``."""
+    return Counter((t, *r) for caps, _ in results for t, recs in caps for r in recs)
+
+
 def running_counts(epochs):
     """Sequential oracle of a per-key running sum, per (time, key): the sum after the time and the
     number of outputs (records of one key at one time may be applied in any order)."""
@@ -165,11 +170,7 @@ def _check_timers(workers, data):
     moves = [data.draw(st.dictionaries(st.integers(0, (1 << k) - 1), st.integers(0, workers - 1), max_size=4),
                        label=f"moves{e}") for e in range(n)]
     results = [(norm(r[0]), norm(r[1])) for r in run(timers_job(epochs, moves, k, delay), workers)]
-    got = Counter()
-    for caps, _ in results:
-        for t, recs in caps:
-            for r in recs:
-                got[(t, *r)] += 1
+    got = outputs(results)
     expected = Counter()
     for t, (recs,) in enumerate(epochs):
         for key, v in recs:
@@ -224,11 +225,7 @@ def _check_join(workers, data):
     moves = [data.draw(st.dictionaries(st.integers(0, (1 << k) - 1), st.integers(0, workers - 1), max_size=4),
                        label=f"moves{e}") for e in range(n)]
     results = [(norm(r[0]), norm(r[1])) for r in run(join_job(epochs, moves, k), workers)]
-    got = Counter()
-    for caps, _ in results:
-        for t, recs in caps:
-            for r in recs:
-                got[(t, *r)] += 1
+    got = outputs(results)
     expected = Counter()
     for t1, (left, _) in enumerate(epochs):
         for t2, (_, right) in enumerate(epochs):

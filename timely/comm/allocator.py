@@ -83,7 +83,7 @@ class LocalPuller:
         return items
 
 
-class _LoopbackPusher:
+class LoopbackPusher:
     """Pushes straight into a puller of the same process, marking the channel as active."""
 
     __slots__ = ("_puller", "_events")
@@ -113,7 +113,7 @@ class ThreadAllocator:
         self._last = channel
         puller = LocalPuller(channel)
         self._pullers[channel] = puller
-        return [_LoopbackPusher(puller, self._events)], puller
+        return [LoopbackPusher(puller, self._events)], puller
 
     def receive(self) -> None:
         pass

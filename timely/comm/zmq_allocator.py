@@ -47,7 +47,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .allocator import LocalPuller, Puller, Pusher
+from .allocator import LocalPuller, LoopbackPusher, Puller, Pusher
 from .endpoints import ipc_path_in_use
 from .framing import HEADER, MAX_CHANNEL, MAX_SOURCE, VERSION, FramingError, Kind, decode, encode, pack_header, unpack_header
 
@@ -107,21 +107,6 @@ class _Peer:
         self.goodbye = False       # it closed cleanly: it sends and needs nothing more
         self.acked = False         # it read our GOODBYE (and so all our data)
         self.lost_deadline: float | None = None  # its connection dropped; PeerLost unless GOODBYE by then
-
-
-class _LoopbackPusher:
-    """Pushes to this worker itself: by reference, no serialisation."""
-
-    __slots__ = ("_puller", "_events")
-
-    def __init__(self, puller: LocalPuller, events: set[int]) -> None:
-        self._puller = puller
-        self._events = events
-
-    def push(self, message: Any) -> None:
-        """Queue ``message`` on this worker's own puller."""
-        self._puller.queue.append(message)
-        self._events.add(self._puller.channel)
 
 
 class _RemotePusher:
@@ -355,7 +340,7 @@ class ZmqAllocator:
             puller.queue.extend(waiting)
             self._events.add(channel)
         pushers: list[Pusher] = [
-            _LoopbackPusher(puller, self._events) if p is None else _RemotePusher(self, p, channel)
+            LoopbackPusher(puller, self._events) if p is None else _RemotePusher(self, p, channel)
             for p in self._peers
         ]
         return pushers, puller

@@ -125,6 +125,43 @@ class Stream:
     def _info(self, b: OperatorBuilder, name: str) -> OperatorInfo:
         return OperatorInfo(name, b.index, self.scope.index, self.scope.peers, b.core)
 
+    def _generic(self, others: Sequence["Stream"], pacts: Sequence[Key | Pact | None], name: str, logic: Callable,
+                 frontier: bool, notify: bool) -> "Stream":
+        """The one-output operator behind unary/binary and their frontier/notify variants.
+
+        Without ``notify``, ``logic`` is a constructor ``(cap, info) -> logic(*inputs, output)``; with
+        ``notify`` it is ``logic(*inputs, output, notificator)`` itself (the initial capability is
+        dropped and the operator watches its input frontiers).
+        """
+        b = OperatorBuilder(self.scope, name)
+        for stream, pact in zip((self, *others), pacts):
+            b.new_input(stream, pact_of(pact))
+        b.new_output()
+        b.set_frontier_interest(frontier or notify)
+        core = b.core
+
+        def build(caps: list[Capability]):
+            out = OutputHandle(core.outputs[0])
+            args: list[Any] = [OpInput(p) for p in core.inputs] + [out]
+            if notify:
+                caps[0].drop()
+                notificator = Notificator(core.inputs)
+                args.append(notificator)
+                run_logic = logic
+            else:
+                run_logic = logic(caps[0], self._info(b, name))
+
+            def run() -> None:
+                run_logic(*args)
+                out.flush()
+                if notify and notificator.available():
+                    core.activate()  # a requested time completed meanwhile: deliver it next step
+
+            return run
+
+        b.build(build)
+        return Stream(self.scope, b.index, 0)
+
     def unary(self, constructor: Callable, name: str = "Unary", exchange: Key | Pact | None = None,
               frontier: bool = False) -> "Stream":
         """A generic one-input operator.
@@ -133,24 +170,7 @@ class Stream:
         batches: ``for cap, batch in input: output.session(cap).give_batch(...)``. The initial
         ``capability`` (at the minimum time) must be dropped or kept deliberately.
         """
-        b = OperatorBuilder(self.scope, name)
-        b.new_input(self, pact_of(exchange))
-        b.new_output()
-        b.set_frontier_interest(frontier)
-        ports = b.core.inputs
-
-        def build(caps: list[Capability]):
-            logic = constructor(caps[0], self._info(b, name))
-            inp, out = OpInput(ports[0]), OutputHandle(b.core.outputs[0])
-
-            def run() -> None:
-                logic(inp, out)
-                out.flush()
-
-            return run
-
-        b.build(build)
-        return Stream(self.scope, b.index, 0)
+        return self._generic((), (exchange,), name, constructor, frontier, notify=False)
 
     def unary_frontier(self, constructor: Callable, name: str = "UnaryFrontier",
                        exchange: Key | Pact | None = None) -> "Stream":
@@ -164,51 +184,13 @@ class Stream:
         ``notificator.notify_at(cap.retain())`` asks for a call once the input frontier passes
         ``cap.time``; ``for cap in notificator:`` yields those times in order.
         """
-        b = OperatorBuilder(self.scope, name)
-        b.new_input(self, pact_of(exchange))
-        b.new_output()
-        b.set_frontier_interest(True)
-        core = b.core
-
-        def build(caps: list[Capability]):
-            caps[0].drop()
-            inp, out = OpInput(core.inputs[0]), OutputHandle(core.outputs[0])
-            notificator = Notificator(core.inputs)
-
-            def run() -> None:
-                logic(inp, out, notificator)
-                out.flush()
-                if notificator.available():
-                    core.activate()
-
-            return run
-
-        b.build(build)
-        return Stream(self.scope, b.index, 0)
+        return self._generic((), (exchange,), name, logic, frontier=True, notify=True)
 
     def binary(self, other: "Stream", constructor: Callable, name: str = "Binary",
                exchange1: Key | Pact | None = None, exchange2: Key | Pact | None = None,
                frontier: bool = False) -> "Stream":
         """A generic two-input operator: ``constructor(cap, info)`` returns ``logic(input1, input2, output)``."""
-        b = OperatorBuilder(self.scope, name)
-        b.new_input(self, pact_of(exchange1))
-        b.new_input(other, pact_of(exchange2))
-        b.new_output()
-        b.set_frontier_interest(frontier)
-        core = b.core
-
-        def build(caps: list[Capability]):
-            logic = constructor(caps[0], self._info(b, name))
-            in1, in2, out = OpInput(core.inputs[0]), OpInput(core.inputs[1]), OutputHandle(core.outputs[0])
-
-            def run() -> None:
-                logic(in1, in2, out)
-                out.flush()
-
-            return run
-
-        b.build(build)
-        return Stream(self.scope, b.index, 0)
+        return self._generic((other,), (exchange1, exchange2), name, constructor, frontier, notify=False)
 
     def binary_frontier(self, other: "Stream", constructor: Callable, name: str = "BinaryFrontier",
                         exchange1: Key | Pact | None = None, exchange2: Key | Pact | None = None) -> "Stream":
@@ -219,28 +201,7 @@ class Stream:
                       exchange1: Key | Pact | None = None, exchange2: Key | Pact | None = None) -> "Stream":
         """A two-input operator with a notificator: ``logic(input1, input2, output, notificator)``;
         a time is delivered once both input frontiers have passed it."""
-        b = OperatorBuilder(self.scope, name)
-        b.new_input(self, pact_of(exchange1))
-        b.new_input(other, pact_of(exchange2))
-        b.new_output()
-        b.set_frontier_interest(True)
-        core = b.core
-
-        def build(caps: list[Capability]):
-            caps[0].drop()
-            in1, in2, out = OpInput(core.inputs[0]), OpInput(core.inputs[1]), OutputHandle(core.outputs[0])
-            notificator = Notificator(core.inputs)
-
-            def run() -> None:
-                logic(in1, in2, out, notificator)
-                out.flush()
-                if notificator.available():
-                    core.activate()
-
-            return run
-
-        b.build(build)
-        return Stream(self.scope, b.index, 0)
+        return self._generic((other,), (exchange1, exchange2), name, logic, frontier=True, notify=True)
 
     def sink(self, logic: Callable, name: str = "Sink", exchange: Key | Pact | None = None) -> None:
         """A terminal operator: ``logic(input)``, scheduled on data and on frontier changes."""
