@@ -12,7 +12,7 @@ from .dataflow import (
     Capability, CapabilityError, InputError, InputHandle, OperatorError, ProbeHandle, Scope, Stream,
 )
 from .progress import Summary
-from .worker import Worker
+from .worker import Worker, batch_gc
 
 
 def __getattr__(name: str) -> Any:
@@ -41,9 +41,10 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
     if workers == 1:
         alloc = ThreadAllocator()
         try:
-            worker = Worker(alloc, args or [])
-            result = main(worker)
-            worker.finish()
+            with batch_gc():
+                worker = Worker(alloc, args or [])
+                result = main(worker)
+                worker.finish()
             return [result]
         finally:
             alloc.close()

@@ -319,7 +319,7 @@ def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: li
     On failure the allocator is closed with ``abort`` so the peers learn at once which worker failed.
     """
     from .comm.zmq_allocator import ZmqAllocator
-    from .worker import Worker
+    from .worker import Worker, batch_gc
 
     alloc = ZmqAllocator(index, peers, endpoints, token, **options)
     # Everything alive now (modules, the job's globals) lives for the whole run: keep the garbage
@@ -327,9 +327,10 @@ def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: li
     gc.collect()
     gc.freeze()
     try:
-        worker = Worker(alloc, list(args))
-        result = main(worker)
-        worker.finish()
+        with batch_gc():
+            worker = Worker(alloc, list(args))
+            result = main(worker)
+            worker.finish()
         report(result)
     except BaseException as exc:
         reason = "stopped" if isinstance(exc, _Stopped) else f"{type(exc).__name__}: {exc}"

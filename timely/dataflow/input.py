@@ -51,13 +51,17 @@ class InputHandle:
             self.flush()
 
     def send_batch(self, records: Sequence) -> None:
-        """Send many records at the current time."""
+        """Send many records at the current time.
+
+        A list is handed over as is, not copied (as every batch inside the dataflow): the caller
+        must not mutate it afterwards. Other sequences are copied into a list.
+        """
         self._check_open()
         if self._buffer:
             self._buffer.extend(records)
             self.flush()
         elif records:
-            self._out.send(self._cap.time, list(records))
+            self._out.send(self._cap.time, records if type(records) is list else list(records))
 
     def flush(self) -> None:
         """Push buffered records into the dataflow."""
