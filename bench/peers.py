@@ -4,7 +4,10 @@ Both engines run on the same machine in the same invocation, each run in fresh p
 with ``.venv/bin/python`` (``timely.execute``), bytewax with ``.venv-bench/bin/python`` (bytewax
 from PyPI, not a project dependency; ``run_main`` for 1 worker, ``cluster_main`` in one process
 per worker, 1 worker each, for more). Every process pre-generates its input outside the timed
-section, then the input is pushed through as fast as possible (closed loop):
+section, then the input is pushed through as fast as possible (closed loop). Both engines handle
+each batch as it is read (bytewax reads one ``next_batch`` per activation of its input; ours steps
+the worker after every batch or round) and start their clocks once every worker is ready
+(bytewax's ``cluster_main`` connects them all first; ours waits at a barrier dataflow):
 
 * keyed count: ``--records`` ``(key, 1)`` records over ``--keys`` keys (``random.Random(worker)``
   per worker, as ``bench/exchange.py``); ours ``exchange(0).count_by_key(0)`` with one epoch per
@@ -84,8 +87,25 @@ def _nexmark_rounds(events: int, round_events: int, index: int, peers: int) -> t
 
 
 # -- our engine (runs under .venv/bin/python) ---------------------------------------------------
+def _start_barrier(worker):
+    """``wait()``, which returns once every worker has called it: the clocks start together, as
+    bytewax's do (``cluster_main`` connects every worker before the first ``next_batch``), not
+    while a slower worker is still generating its input."""
+    with worker.dataflow("start barrier") as scope:
+        inp = scope.new_input("Barrier")
+        probe = inp.stream.probe()
+
+    def wait():
+        inp.advance_to(1)
+        worker.step_while(lambda: probe.less_than(1))
+        inp.close()
+
+    return wait
+
+
 def _ours_count(worker):
     records, keys, batch, epoch_rounds = (int(a) for a in worker.args[1:])
+    barrier = _start_barrier(worker)
     batches = _count_batches(records, keys, batch, worker.index, worker.peers, False)
     acc = [0, 0]  # total, checksum
 
@@ -99,9 +119,11 @@ def _ours_count(worker):
         probe = inp.stream.exchange(0).count_by_key(0).inspect_batch(seen).probe()
     gc.collect()
     gc.freeze()
+    barrier()
     start = time.time()
     for i, b in enumerate(batches):
         inp.send_batch(b)
+        worker.step()  # process the batch now, as bytewax does after each next_batch
         if i % epoch_rounds == epoch_rounds - 1:
             inp.advance_to(inp.time + 1)
             worker.step_while(lambda: probe.less_than(inp.time - 1))
@@ -116,6 +138,7 @@ def _ours_nexmark(worker):
     from nexmark.queries import QUERIES, Streams
     query = worker.args[0]
     events, round_events, epoch_rounds = (int(a) for a in worker.args[1:])
+    barrier = _start_barrier(worker)
     rounds, native = _nexmark_rounds(events, round_events, worker.index, worker.peers)
     counted = [0]
     with worker.dataflow() as scope:
@@ -124,11 +147,13 @@ def _ours_nexmark(worker):
         probe = out.inspect_batch(lambda t, b: counted.__setitem__(0, counted[0] + len(b))).probe()
     gc.collect()
     gc.freeze()
+    barrier()
     start = time.time()
     for i, batch in enumerate(rounds):
         for inp, recs in zip(inputs, batch):
             if recs:
                 inp.send_batch(recs)
+        worker.step()  # process the round now, as bytewax does after each next_batch
         if i % epoch_rounds == epoch_rounds - 1:
             for inp in inputs:
                 inp.advance_to(inp.time + 1)
