@@ -73,9 +73,11 @@ def bench_one(args: argparse.Namespace, q: str, flex: bool, rate: int, params: d
     spec = Spec(query=q, flex=flex, rate=rate, duration=args.duration, workers=args.workers,
                 time_dilation=args.time_dilation, seed=args.seed, bins=args.bins,
                 migration=args.migration if flex else None, migrate_at=args.migrate_at if flex else [],
-                params=params, in_flight_auctions=args.in_flight_auctions, progress=not args.no_progress, gc=args.gc)
+                params=params, in_flight_auctions=args.in_flight_auctions, progress=not args.no_progress, gc=args.gc,
+                history=args.history, skew=args.skew)
     label = f"{q}-{'megaphone' if flex else 'native'}" + (f"-{args.migration}" if spec.migration else "")
-    print(f"\n== {label}: {rate:,} events/s for {args.duration:g} s on {args.workers} worker(s)", flush=True)
+    print(f"\n== {label}: {rate:,} events/s for {args.duration:g} s on {args.workers} worker(s)"
+          + (f" after {args.history:g} s of history" if args.history else ""), flush=True)
     s = summarise(label, spec, run_isolated(spec) if args.isolate else run(spec))
     o = s.overall
     print(f"sent {s.sent:,} events, {s.produced:,} output records; throughput {s.throughput:,.0f} events/s "
@@ -117,7 +119,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="migration strategy (Megaphone variant; needs --migrate-at)")
     ap.add_argument("--migrate-at", type=float, action="append", default=[],
                     help="seconds after the start at which to migrate (repeatable: skewed, then balanced, ...)")
-    ap.add_argument("--in-flight-auctions", type=int, default=100)
+    ap.add_argument("--history", type=float, default=0.0,
+                    help="seconds of the schedule replayed as fast as possible before the measured phase, so that "
+                         "the query holds that much state when measuring starts (default 0)")
+    ap.add_argument("--skew", type=float, default=0.5,
+                    help="migrations: the fraction of its bins each odd worker gives to an even one "
+                         "(default 0.5: a quarter of all bins, the paper's uniform -> uniform_skew)")
+    ap.add_argument("--in-flight-auctions", type=int, default=100,
+                    help="auctions open at any time (default 100, as Beam's NEXMark); the state of Q4 and Q6")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--param", action="append", default=[], help="query parameter override, e.g. q8_window_ms=60000")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "nexmark"),

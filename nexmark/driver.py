@@ -14,6 +14,12 @@ latency is the acknowledgement time minus its scheduled time.
 Worker 0 owns the migration controller: at each ``migrate_at`` time it plans a move to the next
 target table (alternately ``skewed`` and back to ``balanced``) with the chosen strategy and issues
 its steps one at a time.
+
+``history`` seconds of the schedule can be replayed before the measured phase, as fast as the
+dataflow takes them (closed loop, not measured): the query then starts the measured phase with the
+state it would have after running that long (the paper migrates after 400 s). The measured phase
+continues the same event stream and epochs where the history ends; its times (latency samples,
+``migrate_at``) count from its own start.
 """
 from __future__ import annotations
 
@@ -54,6 +60,8 @@ class Spec:
     progress: bool = True  # a progress bar on worker 0
     drain_timeout: float = 120.0  # seconds to wait for the output after the input ends
     gc: str = "tuned"  # "tuned" (freeze + rare collections), "off" or "default"
+    history: float = 0.0  # seconds of the schedule replayed closed-loop before the measured phase
+    skew: float = 0.5  # migrations: the fraction of its bins each odd worker gives away (0.5: 25% of all)
 
     def config(self) -> Config:
         """The generator configuration."""
@@ -105,12 +113,12 @@ class _Progress:
             print(file=sys.stderr)
 
 
-def _targets(controller: Any, peers: int, count: int) -> list[tuple[int, ...]]:
+def _targets(controller: Any, peers: int, count: int, fraction: float) -> list[tuple[int, ...]]:
     """Target tables of successive migrations: skewed, balanced, skewed, ..."""
     from megaphone.plan import balanced, skewed
 
     base = balanced(controller.bins, peers)
-    return [skewed(base, 0.5, peers) if i % 2 == 0 else base for i in range(count)]
+    return [skewed(base, fraction, peers) if i % 2 == 0 else base for i in range(count)]
 
 
 def _configure_gc(mode: str) -> None:
@@ -154,10 +162,11 @@ class WorkerRun:
             from megaphone.controller import Controller
 
             self.controller = Controller(self.control, self.probe)
-            self.targets = _targets(self.controller, worker.peers, len(spec.migrate_at))
+            self.targets = _targets(self.controller, worker.peers, len(spec.migrate_at), spec.skew)
         self.migrations = sorted(spec.migrate_at)
         self.timeline = Timeline(spec.duration)
-        self.end_epoch = int(spec.duration * 1000)
+        self.history = int(spec.history * 1000)  # epochs replayed before the measured phase
+        self.end_epoch = self.history + int(spec.duration * 1000)
         self.acked = [0] * (int(spec.duration / INTERVAL) + 8)  # records acknowledged per 250 ms
         self.rounds: deque = deque()  # (epoch sent at, first event number, end event number)
         self.rss: list[tuple[float, int]] = []
@@ -195,12 +204,43 @@ class WorkerRun:
             ack = time.perf_counter() - self.start
             _, lo, hi = self.rounds.popleft()
             n = np.arange(lo, hi, self.worker.peers, dtype=np.int64)
-            self.timeline.record(n / self.config.rate, ack)
+            self.timeline.record(n / self.config.rate - self.history / 1000, ack)
             self.acked[min(int(ack / INTERVAL), len(self.acked) - 1)] += len(n)
+
+    def replay_history(self, round_epochs: int = 20, in_flight: int = 3) -> None:
+        """Send the history's events (epochs ``[0, history)``) as fast as the dataflow takes them,
+        ``round_epochs`` epochs per round and at most ``in_flight`` rounds ahead of the output probe;
+        return once the probe has passed the history."""
+        probe, worker = self.probe, self.worker
+        progress = _Progress(self.history / 1000, f"{self.spec.query} history",
+                             self.spec.progress and worker.index == 0)
+        started = time.perf_counter()
+        while self.stamp < self.history:
+            target = min(self.stamp + round_epochs, self.history)
+            batch = self.gen.until(self.config.first_event(target))
+            for inp, recs in zip(self.inputs, batch):
+                if recs:
+                    inp.send_batch(recs)
+            self.stamp = target
+            for inp in self.inputs:
+                inp.advance_to(target)
+            if self.control is not None:
+                self.control.advance_to(target)
+            worker.step_while(lambda: probe.less_than(target - in_flight * round_epochs), timeout=600)
+            progress.update(target / 1000, f"{(time.perf_counter() - started):.0f} s")
+        worker.step_while(lambda: probe.less_than(self.history), timeout=600)
+        self.last_stamp = self.stamp
+        self.produced = 0  # the measured phase counts its own output
+        progress.close()
+        if worker.index == 0 and self.spec.progress:
+            print(f"history: {self.history / 1000:g} s of events ({self.gen.next:,} in all) "
+                  f"replayed in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
 
     def drive(self) -> dict:
         """Synchronise the workers' clocks, run the schedule, then run the dataflow to completion."""
         spec, worker, probe = self.spec, self.worker, self.probe
+        if self.history:
+            self.replay_history()
         progress = _Progress(spec.duration, f"{spec.query}{'-flex' if spec.flex else ''}",
                              spec.progress and worker.index == 0)
         # Start every worker's clock together: the barrier's probe passes 1 once all have advanced.
@@ -214,7 +254,7 @@ class WorkerRun:
         next_rss = 0.0
         while True:
             now = time.perf_counter() - start
-            target = min(int(now * 1000), self.end_epoch)
+            target = min(self.history + int(now * 1000), self.end_epoch)
             # A new round once the probe has passed the previous round's epoch (as the reference).
             if not self.done_sending and target > self.stamp and not probe.less_than(self.last_stamp):
                 self.send_round(target, now)
@@ -228,11 +268,14 @@ class WorkerRun:
             if self.done_sending and not self.rounds:
                 break  # every record sent has been through the output
             if self.done_sending and now > spec.duration + spec.drain_timeout:
-                raise TimeoutError(f"worker {worker.index}: output incomplete {spec.drain_timeout} s after the input")
+                raise TimeoutError(f"worker {worker.index}: output incomplete {spec.drain_timeout} s after the input "
+                                   f"(output frontier {probe.frontier()}, input at {self.stamp}, "
+                                   f"{len(self.rounds)} rounds unacknowledged, oldest at {self.rounds[0][0]})")
             if self.done_sending or self.rounds or probe.less_than(self.stamp):
                 worker.step_or_park(0.0005)
             else:  # caught up: wait for the next millisecond (or a message)
-                worker.step_or_park(max(0.0, (self.stamp + 1) / 1000 - (time.perf_counter() - start)))
+                next_ms = (self.stamp - self.history + 1) / 1000  # the next epoch, in measured seconds
+                worker.step_or_park(max(0.0, next_ms - (time.perf_counter() - start)))
         elapsed = time.perf_counter() - start
         cpu = time.process_time() - cpu_start
         progress.close()
