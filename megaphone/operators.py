@@ -65,6 +65,7 @@ class Shared:
         self.timer_bins: dict[Any, set[int]] = defaultdict(set)  # time -> bins with a timer then
         self.events: list[dict] = []
         self.s_core: Any = None
+        self.bins_left = False  # set when bins were shipped away, until S rechecks its capabilities
 
     def table_at(self, time: Any) -> tuple[int, ...]:
         """The routing table in force at ``time`` (DESIGN 5.3: records route by their own time)."""
@@ -164,6 +165,7 @@ class _StateOperator:
         self.caps: dict[Any, timely.Capability] = {}
         self.pending: dict[Any, list[list]] = {}  # time -> per input list of batches
         self.timer_heap: list[Any] = []  # times with timers (lazy: checked against timer_bins)
+        self.pending_heap: list[Any] = []  # times with pending data (lazy: checked against pending)
         self.seq = count()
         self.per_record: Callable[[dict, Any, list], None] | None = None  # state_machine's fast path
 
@@ -213,17 +215,26 @@ class _StateOperator:
                 per_input = self.pending.get(t)
                 if per_input is None:
                     per_input = self.pending[t] = [[] for _ in inputs]
+                    heapq.heappush(self.pending_heap, t)
                     self.hold(t, cap)
                 per_input[i].append(batch)
         # 3. Apply complete times in time order (DESIGN 5.5).
+        applied = []
         while True:
             t = self._next_time()
             if t is None or not self.complete(t):
                 break
             self._apply(t, out)
-        # 4. Release capabilities no longer needed (data applied, timers fired or shipped away).
-        for t in [t for t in self.caps if t not in self.pending and t not in shared.timer_bins]:
-            self.caps.pop(t).drop()
+            applied.append(t)
+        # 4. Release capabilities no longer needed: times just applied (data and timers done), and
+        # after bins left (their timers went with them) every time held. Only these can have become
+        # free: a held time stays needed while it has pending data or a timer on this worker.
+        if shared.bins_left:
+            shared.bins_left = False
+            applied = list(self.caps)
+        for t in applied:
+            if t in self.caps and t not in self.pending and t not in shared.timer_bins:
+                self.caps.pop(t).drop()
 
     def _apply_records(self, t: Any, out: OutputHandle) -> None:
         """Fast path (``state_machine``: one input, no timers): each record straight into its bin."""
@@ -251,10 +262,12 @@ class _StateOperator:
         heap = self.timer_heap
         while heap and heap[0] not in self.shared.timer_bins:
             heapq.heappop(heap)  # every timer at that time fired or left with its bin
-        times = [heap[0]] if heap else []
-        if self.pending:
-            times.append(min(self.pending))
-        return min(times) if times else None
+        data = self.pending_heap
+        while data and data[0] not in self.pending:
+            heapq.heappop(data)  # applied
+        if heap and data:
+            return min(heap[0], data[0])
+        return heap[0] if heap else data[0] if data else None
 
     def _apply(self, t: Any, out: OutputHandle) -> None:
         shared = self.shared
@@ -389,6 +402,8 @@ class _RoutingOperator:
                 nbytes += len(payload)
                 state_out.give_batch(cap, [(new[b], b, payload)])
         cap.drop()
+        if moved:
+            shared.bins_left = True
         if moved and shared.s_core is not None:
             shared.s_core.activate()  # S releases the capabilities of timers that left
         if moved:

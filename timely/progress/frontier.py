@@ -2,6 +2,7 @@
 (:class:`MutableAntichain`). The empty antichain means "complete": no further time is possible."""
 from __future__ import annotations
 
+import heapq
 from typing import Any, Iterable
 
 from .timestamp import less_equal, less_than
@@ -66,16 +67,23 @@ class MutableAntichain:
     cancels); only strictly positive counts contribute to the frontier.
     """
 
-    __slots__ = ("counts", "frontier")
+    __slots__ = ("counts", "frontier", "_heap")
 
     def __init__(self) -> None:
         self.counts: dict[Any, int] = {}
         self.frontier: list[Any] = []
+        # Integer times are totally ordered: the frontier is the least positive time, found in a
+        # min-heap of the times that entered the positive set (entries whose count has since
+        # dropped to zero are discarded lazily). A rebuild then costs O(log n), not a sort of every
+        # time held: an operator may hold thousands of capabilities (a timer per pending time).
+        # Tuple times (nested scopes) take the general path.
+        self._heap: list[int] = []
 
     def update_iter(self, updates: Iterable[tuple[Any, int]]) -> list[tuple[Any, int]]:
         """Apply ``(time, diff)`` updates; return the frontier's changes as ``(time, +1|-1)`` pairs."""
         counts = self.counts
         frontier = self.frontier
+        heap = self._heap
         rebuild = False
         for t, d in updates:
             if not d:
@@ -86,8 +94,12 @@ class MutableAntichain:
                 counts[t] = c1
             else:
                 del counts[t]
-            if rebuild or (c0 > 0) == (c1 > 0):
+            if (c0 > 0) == (c1 > 0):
                 continue  # t neither entered nor left the set of positive times
+            if c1 > 0 and type(t) is int:
+                heapq.heappush(heap, t)
+            if rebuild:
+                continue
             if c1 > 0:
                 # t entered: the frontier changes unless an element already is <= t.
                 rebuild = not any(less_equal(f, t) for f in frontier)
@@ -96,16 +108,30 @@ class MutableAntichain:
                 rebuild = t in frontier
         if not rebuild:
             return []
-        new = []
-        for t in sorted(t for t, c in counts.items() if c > 0):
-            if not any(less_equal(x, t) for x in new):
-                new.append(t)
+        if heap or not counts:
+            new = self._least_int()
+        else:
+            new = []
+            for t in sorted(t for t, c in counts.items() if c > 0):
+                if not any(less_equal(x, t) for x in new):
+                    new.append(t)
         if new == frontier:
             return []
         old = set(frontier)
         nset = set(new)
         self.frontier = new
         return [(t, -1) for t in frontier if t not in nset] + [(t, 1) for t in new if t not in old]
+
+    def _least_int(self) -> list[int]:
+        """The frontier of integer times: ``[least positive time]`` or ``[]``."""
+        heap, counts = self._heap, self.counts
+        if len(heap) > 2 * len(counts) + 64:
+            # Mostly stale entries (times that came and went above the least one): start afresh.
+            heap[:] = [t for t, c in counts.items() if c > 0]
+            heapq.heapify(heap)
+        while heap and counts.get(heap[0], 0) <= 0:
+            heapq.heappop(heap)
+        return [heap[0]] if heap else []
 
     def less_equal(self, t: Any) -> bool:
         """True if some frontier element is ``<= t``."""
