@@ -65,7 +65,7 @@ class Shared:
         self.timer_bins: dict[Any, set[int]] = defaultdict(set)  # time -> bins with a timer then
         self.events: list[dict] = []
         self.s_core: Any = None
-        self.bins_left = False  # set when bins were shipped away, until S rechecks its capabilities
+        self.left_times: list[Any] = []  # times of timers shipped away, until S rechecks their capabilities
 
     def table_at(self, time: Any) -> tuple[int, ...]:
         """The routing table in force at ``time`` (DESIGN 5.3: records route by their own time)."""
@@ -82,6 +82,7 @@ class Shared:
             raise MegaphoneError(f"'{self.name}': worker {self.index} was to ship bin {b}, which it does not hold")
         self.bins[b] = None
         for t, _, _ in bin_.timers:
+            self.left_times.append(t)
             bins_at = self.timer_bins.get(t)
             if bins_at is not None:
                 bins_at.discard(b)
@@ -227,11 +228,11 @@ class _StateOperator:
             self._apply(t, out)
             applied.append(t)
         # 4. Release capabilities no longer needed: times just applied (data and timers done), and
-        # after bins left (their timers went with them) every time held. Only these can have become
+        # the times of timers that left with shipped bins. Only these can have become
         # free: a held time stays needed while it has pending data or a timer on this worker.
-        if shared.bins_left:
-            shared.bins_left = False
-            applied = list(self.caps)
+        if shared.left_times:
+            applied += shared.left_times
+            shared.left_times = []
         for t in applied:
             if t in self.caps and t not in self.pending and t not in shared.timer_bins:
                 self.caps.pop(t).drop()
@@ -402,8 +403,6 @@ class _RoutingOperator:
                 nbytes += len(payload)
                 state_out.give_batch(cap, [(new[b], b, payload)])
         cap.drop()
-        if moved:
-            shared.bins_left = True
         if moved and shared.s_core is not None:
             shared.s_core.activate()  # S releases the capabilities of timers that left
         if moved:

@@ -134,7 +134,9 @@ class ZmqAllocator:
 
     Tuning: ``hwm`` messages may queue inside ZeroMQ per direction and side of a pair;
     ``backlog_bytes`` more may wait per peer before ``release`` blocks; ``heartbeat_ivl`` /
-    ``heartbeat_timeout`` seconds (ZMTP PING/PONG) detect a silent peer host; ``goodbye_grace``
+    ``heartbeat_timeout`` seconds (ZMTP PING/PONG) detect a silent peer host (generous: a peer
+    busy in one long step stops reading once its inbound queue is full, and then does not answer
+    PINGs either; a crashed process is noticed at once by its closed connection); ``goodbye_grace``
     seconds separate a dropped connection from :class:`PeerLost`; ``close_timeout`` bounds the
     wait for acknowledgements in ``close``; ``receive`` moves at most ``receive_batch`` messages
     or about ``receive_bytes`` of payload per call (the rest waits in ZeroMQ, which keeps
@@ -143,7 +145,7 @@ class ZmqAllocator:
 
     def __init__(self, index: int, peers: int, endpoints: list[str], token: str, *,
                  bind: str | None = None, hwm: int = 256, backlog_bytes: int = 16 << 20,
-                 startup_timeout: float = 30.0, heartbeat_ivl: float = 1.0, heartbeat_timeout: float = 4.0,
+                 startup_timeout: float = 30.0, heartbeat_ivl: float = 1.0, heartbeat_timeout: float = 30.0,
                  goodbye_grace: float = 1.0, close_timeout: float = 30.0, receive_batch: int = 256,
                  receive_bytes: int = 256 << 10) -> None:
         if not 0 <= index < peers:
