@@ -439,6 +439,28 @@ def test_mutable_antichain_matches_oracle(data):
         assert ma.is_empty() == (not positive)
 
 
+@MEDIUM
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(-2, 2)), min_size=50, max_size=600),
+       st.integers(1, 40))
+def test_mutable_antichain_int_heap_matches_oracle(updates, every):
+    """Integer times take the heap path: long runs of times entering and leaving above a held
+    least time leave stale heap entries (and set off the heap's compaction); the frontier must
+    stay the least positive time after every batch."""
+    ma = MutableAntichain()
+    ma.update_iter([(0, 1)])  # held throughout the first half: times above it come and go
+    counts = {0: 1}
+    for i in range(0, len(updates), every):
+        batch = updates[i:i + every]
+        if i >= len(updates) // 2 and counts.get(0):
+            batch = batch + [(0, -counts[0])]  # release the held time halfway
+        ma.update_iter(batch)
+        for t, d in batch:
+            counts[t] = counts.get(t, 0) + d
+        positive = [t for t, c in counts.items() if c > 0]
+        assert ma.frontier == ([min(positive)] if positive else [])
+        assert ma.counts == {t: c for t, c in counts.items() if c != 0}
+
+
 def test_mutable_antichain_transient_negative():
     ma = MutableAntichain()
     assert ma.update_iter([((1, 1), -1)]) == []  # a decrement seen before its increment
