@@ -243,11 +243,14 @@ class WorkerRun:
             self.replay_history()
         progress = _Progress(spec.duration, f"{spec.query}{'-flex' if spec.flex else ''}",
                              spec.progress and worker.index == 0)
-        # Start every worker's clock together: the barrier's probe passes 1 once all have advanced.
+        # The collector first (a full collection over a large state takes seconds, and longer on one
+        # worker than on another), then start every worker's clock together: the barrier's probe
+        # passes 1 once all have advanced. Every epoch needs every worker's clock to reach it, so
+        # an offset between the clocks would add to the latency of the workers ahead.
+        _configure_gc(spec.gc)
         self.barrier.advance_to(1)
         worker.step_while(lambda: self.barrier_probe.less_than(1), timeout=60)
         self.barrier.close()
-        _configure_gc(spec.gc)
         self.start = start = time.perf_counter()
         cpu_start = time.process_time()
         wall_start = time.time()
