@@ -179,21 +179,26 @@ class WorkerRun:
     def _count(self, time: Any, batch: Any) -> None:
         self.produced += len(batch)
 
-    def send_round(self, target: int, now: float) -> None:
-        """Send every event scheduled before ``target`` at the current epoch; advance to ``target``."""
-        lo = self.gen.next
+    def _feed(self, target: int) -> int:
+        """Send every event scheduled before ``target`` at the current epoch, advance the inputs
+        (and the control input) to ``target``; return the number of events sent."""
         batch = self.gen.until(self.config.first_event(target))
         for inp, recs in zip(self.inputs, batch):
             if recs:
                 inp.send_batch(recs)
-        self.sent += batch.total
-        self.rounds.append((self.stamp, lo, self.gen.next))
         self.last_stamp, self.stamp = self.stamp, target
-        self.done_sending = target >= self.end_epoch
         for inp in self.inputs:
             inp.advance_to(target)
         if self.control is not None:
             self.control.advance_to(target)
+        return batch.total
+
+    def send_round(self, target: int, now: float) -> None:
+        """A measured round: :meth:`_feed`, remembered for its latencies; start a due migration."""
+        lo, stamp = self.gen.next, self.stamp
+        self.sent += self._feed(target)
+        self.rounds.append((stamp, lo, self.gen.next))
+        self.done_sending = target >= self.end_epoch
         if self.controller is not None and self.migrations and now >= self.migrations[0]:
             self.migrations.pop(0)
             self.controller.rebalance(self.targets.pop(0), self.spec.migration)
@@ -217,15 +222,7 @@ class WorkerRun:
         started = time.perf_counter()
         while self.stamp < self.history:
             target = min(self.stamp + round_epochs, self.history)
-            batch = self.gen.until(self.config.first_event(target))
-            for inp, recs in zip(self.inputs, batch):
-                if recs:
-                    inp.send_batch(recs)
-            self.stamp = target
-            for inp in self.inputs:
-                inp.advance_to(target)
-            if self.control is not None:
-                self.control.advance_to(target)
+            self._feed(target)
             worker.step_while(lambda: probe.less_than(target - in_flight * round_epochs), timeout=600)
             progress.update(target / 1000, f"{(time.perf_counter() - started):.0f} s")
         worker.step_while(lambda: probe.less_than(self.history), timeout=600)
