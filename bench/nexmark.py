@@ -86,6 +86,10 @@ def bench_one(args: argparse.Namespace, q: str, flex: bool, rate: int, params: d
     print(f"latency p25 {fmt_s(o[0])}  p50 {fmt_s(o[1])}  p75 {fmt_s(o[2])}  p95 {fmt_s(o[3])}  "
           f"p99 {fmt_s(o[4])}  p99.9 {fmt_s(o[5])}  max {fmt_s(o[6])}")
     print(f"peak RSS per worker: {', '.join(f'{x / 2**20:,.0f} MiB' for x in s.peak_rss)}")
+    longest = max(s.gc_long, key=lambda x: x[3], default=None)
+    print(f"garbage collections (gen 0/1/2, all workers): {'/'.join(map(str, s.gc_counts))}; "
+          f"{len(s.gc_long)} over 2 ms" + (f", longest {fmt_s(longest[3])} (gen {longest[2]}, worker {longest[0]}, "
+                                          f"at {longest[1]:.2f} s)" if longest else ""))
     for mid, m in s.migration.items():
         print(f"migration {mid}: {m['bins']} bins in {m['steps']} steps from {m['start']:.2f} s, "
               f"duration {fmt_s(m['duration'])}, longest step {fmt_s(m['max_step'])}, "

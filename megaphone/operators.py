@@ -37,13 +37,28 @@ class MegaphoneError(RuntimeError):
     """A migratable operator cannot go on (for example: its key function failed on a record)."""
 
 
+class BinState(dict):
+    """A bin's state: a plain ``dict`` to the fold, which CPython's collector never untracks.
+
+    CPython untracks a dict whose keys and values are all untracked (ints, strings, tuples of
+    them) during a full collection, and tracks it again, in the young generation, as soon as a
+    fresh tuple is stored in it. A long-lived keyed state frozen by ``gc.freeze()`` (or promoted to
+    the old generation) thus drops back into the young generation bin by bin as records arrive,
+    and the next young collection traverses every entry of every such bin at once: 99 ms over
+    1.35 M entries in NEXMark Q8. Dict subclasses are never untracked, so a bin stays where the
+    collector put it and a young collection sees only what is new.
+    """
+
+    __slots__ = ()
+
+
 class Bin:
-    """One bin on its current owner: user ``state`` (a dict) and pending ``timers``."""
+    """One bin on its current owner: user ``state`` (a :class:`BinState`) and pending ``timers``."""
 
     __slots__ = ("state", "timers")
 
     def __init__(self) -> None:
-        self.state: dict = {}
+        self.state: dict = BinState()
         self.timers: list[tuple[Any, int, Any]] = []  # heap of (time, sequence, payload)
 
 
@@ -200,10 +215,7 @@ class _StateOperator:
                 bin_ = shared.bins[b]
                 if bin_ is None:
                     bin_ = shared.bins[b] = Bin()
-                if bin_.state:
-                    bin_.state.update(data)
-                else:
-                    bin_.state = data
+                bin_.state.update(data)  # into the BinState (pickled as a plain dict: faster both ways)
                 for t, p in timers:
                     self.add_timer(b, bin_, t, p, cap)
             shared.events.append({"kind": "install", "time": cap.time, "bins": sorted(bins), "entries": entries,
@@ -394,7 +406,7 @@ class _RoutingOperator:
             # Bounded chunks: one state message per chunk of at most `chunk` entries (pickled as
             # dicts, the fastest form to write and read back); timers travel with the first.
             if len(state) <= self.chunk:
-                chunks = [state]
+                chunks = [dict(state)]
             else:
                 it = iter(state.items())
                 chunks = [dict(islice(it, self.chunk)) for _ in range(0, len(state), self.chunk)]

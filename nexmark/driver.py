@@ -36,7 +36,7 @@ import megaphone
 import timely
 
 from .generator import Generator
-from .metrics import INTERVAL, Timeline, rss_bytes
+from .metrics import INTERVAL, GcPauses, Timeline, rss_bytes
 from .model import Config, Params
 from .queries import QUERIES, Streams
 
@@ -249,6 +249,8 @@ class WorkerRun:
         worker.step_while(lambda: self.barrier_probe.less_than(1), timeout=60)
         self.barrier.close()
         self.start = start = time.perf_counter()
+        gc_pauses = GcPauses()
+        gc_pauses.start(start)
         cpu_start = time.process_time()
         wall_start = time.time()
         next_rss = 0.0
@@ -278,6 +280,7 @@ class WorkerRun:
                 worker.step_or_park(max(0.0, next_ms - (time.perf_counter() - start)))
         elapsed = time.perf_counter() - start
         cpu = time.process_time() - cpu_start
+        gc_pauses.stop()
         progress.close()
         steps = []
         for e in (self.controller.events if self.controller is not None else []):
@@ -293,7 +296,8 @@ class WorkerRun:
         worker.finish()
         return {"worker": worker.index, "sent": self.sent, "produced": self.produced, "elapsed": elapsed,
                 "cpu": cpu, "timeline": self.timeline.to_bytes(), "acked_per_interval": self.acked,
-                "rss": self.rss, "peak_rss": max([rss_bytes(), *(r for _, r in self.rss)]), "steps": steps}
+                "rss": self.rss, "peak_rss": max([rss_bytes(), *(r for _, r in self.rss)]), "steps": steps,
+                "gc": gc_pauses.as_dict()}
 
 
 def job(spec: Spec) -> Any:

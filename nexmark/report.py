@@ -27,6 +27,8 @@ class Summary:
     acked: list[int]  # records acknowledged per 250 ms of wall time
     peak_rss: list[int]  # per worker, bytes (largest RSS sample)
     steps: list[dict] = field(default_factory=list)
+    gc_counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # collections per generation, all workers
+    gc_long: list[tuple[int, float, int, float]] = field(default_factory=list)  # (worker, start s, generation, s)
     migration: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -65,7 +67,9 @@ def summarise(label: str, spec: Any, results: list[dict]) -> Summary:
                 sent=sum(r["sent"] for r in results), produced=sum(r["produced"] for r in results),
                 elapsed=max(r["elapsed"] for r in results), cpu=sum(r.get("cpu", 0.0) for r in results), overall=quantiles(tl.overall), timeline=rows,
                 acked=acked, peak_rss=[r["peak_rss"] for r in results],
-                steps=[st for r in results for st in r["steps"]])
+                steps=[st for r in results for st in r["steps"]],
+                gc_counts=[sum(r["gc"]["counts"][g] for r in results) for g in range(3)],
+                gc_long=sorted((r["worker"], *x) for r in results for x in r["gc"]["long"]))
     s.migration = migration_metrics(s)
     return s
 
