@@ -32,7 +32,7 @@ from nexmark.driver import Spec, run, run_isolated  # noqa: E402
 from nexmark.harness import Run, diff, execute, expected, random_moves  # noqa: E402
 from nexmark.model import Config, Params  # noqa: E402
 from nexmark.queries import QUERIES  # noqa: E402
-from nexmark.report import Summary, fmt_s, plot, summarise, table, timeline_text, write_csv  # noqa: E402
+from nexmark.report import Summary, fmt_s, median_table, plot, summarise, table, timeline_text, write_csv  # noqa: E402
 
 
 def parse_params(items: list[str]) -> dict:
@@ -68,15 +68,18 @@ def check(queries: list[str], variants: list[bool], workers: list[int], events: 
     return ok
 
 
-def bench_one(args: argparse.Namespace, q: str, flex: bool, rate: int, params: dict, out_dir: Path) -> Summary:
-    """Run one query variant at one rate; print its figures; write its CSV, JSON and PNG."""
+def bench_one(args: argparse.Namespace, q: str, flex: bool, rate: int, params: dict, out_dir: Path,
+              migration: str | None = None, run_no: int = 0) -> Summary:
+    """Run one query variant at one rate (with ``migration``, the Megaphone variant only); print
+    its figures; write its CSV, JSON and PNG."""
     spec = Spec(query=q, flex=flex, rate=rate, duration=args.duration, workers=args.workers,
                 time_dilation=args.time_dilation, seed=args.seed, bins=args.bins,
-                migration=args.migration if flex else None, migrate_at=args.migrate_at if flex else [],
+                migration=migration if flex else None, migrate_at=args.migrate_at if flex else [],
                 params=params, in_flight_auctions=args.in_flight_auctions, progress=not args.no_progress, gc=args.gc,
                 history=args.history, skew=args.skew)
-    label = f"{q}-{'megaphone' if flex else 'native'}" + (f"-{args.migration}" if spec.migration else "")
-    print(f"\n== {label}: {rate:,} events/s for {args.duration:g} s on {args.workers} worker(s)"
+    label = f"{q}-{'megaphone' if flex else 'native'}" + (f"-{migration}" if spec.migration else "")
+    runs = f" (run {run_no + 1} of {args.runs})" if args.runs > 1 else ""
+    print(f"\n== {label}{runs}: {rate:,} events/s for {args.duration:g} s on {args.workers} worker(s)"
           + (f" after {args.history:g} s of history" if args.history else ""), flush=True)
     s = summarise(label, spec, run_isolated(spec) if args.isolate else run(spec))
     o = s.overall
@@ -96,7 +99,7 @@ def bench_one(args: argparse.Namespace, q: str, flex: bool, rate: int, params: d
               f"max latency {fmt_s(m['max_latency'])}, p99 {fmt_s(m['p99_latency'])}")
     if args.timeline:
         print(timeline_text(s))
-    stem = out_dir / f"{label}-w{args.workers}-r{rate}"
+    stem = out_dir / (f"{label}-w{args.workers}-r{rate}" + (f"-run{run_no + 1}" if args.runs > 1 else ""))
     write_csv(s, f"{stem}.csv")
     with open(f"{stem}.json", "w") as f:
         json.dump({"command": shlex.join([sys.executable, *sys.argv]), "spec": spec.as_dict(),
@@ -119,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
     ap.add_argument("--time-dilation", type=int, default=1, help="event time / wall time (default 1)")
     ap.add_argument("--bins", type=int, default=8, help="k: 2^k Megaphone bins (default 8)")
-    ap.add_argument("--migration", choices=("all_at_once", "fluid", "batched"), default=None,
-                    help="migration strategy (Megaphone variant; needs --migrate-at)")
+    ap.add_argument("--migration", default=None,
+                    help="migration strategy: all_at_once, fluid or batched, or a comma-separated list run in turn "
+                         "(Megaphone variant; needs --migrate-at)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="runs of each configuration; with more than one, a table of medians follows (default 1)")
     ap.add_argument("--migrate-at", type=float, action="append", default=[],
                     help="seconds after the start at which to migrate (repeatable: skewed, then balanced, ...)")
     ap.add_argument("--history", type=float, default=0.0,
@@ -160,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         print("check:", "all OK" if ok else "FAILED")
         return 0 if ok else 1
 
+    strategies: list[str | None] = args.migration.split(",") if args.migration else [None]
+    for m in strategies:
+        if m not in (None, "all_at_once", "fluid", "batched"):
+            raise SystemExit(f"--migration: unknown strategy {m!r} (all_at_once, fluid or batched)")
+    if args.runs < 1:
+        raise SystemExit("--runs must be at least 1")
     if args.migration and not args.migrate_at:
         raise SystemExit("--migration needs --migrate-at SECONDS")
     if args.migration and args.workers == 1:
@@ -171,14 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries: list[Summary] = []
+    groups: list[list[Summary]] = []
     for q in queries:
         for flex in variants:
-            for rate in rates:
-                s = bench_one(args, q, flex, rate, params, out_dir)
-                summaries.append(s)
-                if not s.sustained:
-                    break
+            for m in (strategies if flex else [None]):
+                for rate in rates:
+                    group = [bench_one(args, q, flex, rate, params, out_dir, m, i) for i in range(args.runs)]
+                    summaries += group
+                    groups.append(group)
+                    if 2 * sum(s.sustained for s in group) <= len(group):  # most runs fell behind
+                        break
     print("\n" + table(summaries))
+    if args.runs > 1:
+        print(f"\nmedians over {args.runs} runs:\n" + median_table(groups))
     return 0
 
 

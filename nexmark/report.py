@@ -30,6 +30,8 @@ class Summary:
     gc_counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # collections per generation, all workers
     gc_long: list[tuple[int, float, int, float]] = field(default_factory=list)  # (worker, start s, generation, s)
     migration: dict[str, Any] = field(default_factory=dict)
+    query: str = ""
+    strategy: str | None = None  # the migration strategy, if any
 
     @property
     def throughput(self) -> float:
@@ -71,6 +73,7 @@ def summarise(label: str, spec: Any, results: list[dict]) -> Summary:
                 gc_counts=[sum(r["gc"]["counts"][g] for r in results) for g in range(3)],
                 gc_long=sorted((r["worker"], *x) for r in results for x in r["gc"]["long"]))
     s.migration = migration_metrics(s)
+    s.query, s.strategy = spec.query, spec.migration
     return s
 
 
@@ -126,6 +129,56 @@ def table(rows: list[Summary]) -> str:
             " / ".join(fmt_s(m["max_latency"]) for m in mig) or "-",
             " / ".join(fmt_s(m["duration"]) for m in mig) or "-",
             f"{max(s.peak_rss) / 2**20:,.0f} MiB",
+        ])
+    widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
+    out = []
+    for j, r in enumerate(lines):
+        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(x for x in xs if x is not None and not math.isnan(x))
+    if not xs:
+        return float("nan")
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def median_table(groups: list[list[Summary]]) -> str:
+    """One line per configuration (a group of repeated runs): the median of each figure over its
+    runs, and for a migration the ratio of all-at-once's median maximum latency (same query and
+    rate) to this strategy's."""
+    def first_mig(s: Summary, key: str) -> float | None:
+        return next(iter(s.migration.values()), {}).get(key)
+
+    med = []
+    for g in groups:
+        med.append({
+            "g": g,
+            "mig_max": _median([first_mig(s, "max_latency") for s in g]),
+            "mig_dur": _median([first_mig(s, "duration") for s in g]),
+            "step": _median([first_mig(s, "max_step") for s in g]),
+        })
+    aao = {(m["g"][0].query, m["g"][0].rate): m["mig_max"] for m in med if m["g"][0].strategy == "all_at_once"}
+    head = ["run", "runs", "rate/s", "throughput/s", "per CPU-s", "p50", "p99", "max", "migr. max", "migr. dur",
+            "longest step", "all-at-once / this", "sustained"]
+    lines = [head]
+    for m in med:
+        g = m["g"]
+        s0 = g[0]
+        ratio = aao.get((s0.query, s0.rate)) if s0.strategy else None
+        lines.append([
+            s0.label, str(len(g)), f"{s0.rate:,}", f"{_median([s.throughput for s in g]):,.0f}",
+            f"{_median([s.per_cpu_second for s in g]):,.0f}",
+            fmt_s(_median([s.overall[1] for s in g])), fmt_s(_median([s.overall[4] for s in g])),
+            fmt_s(_median([s.overall[6] for s in g])),
+            fmt_s(m["mig_max"]) if s0.strategy else "-", fmt_s(m["mig_dur"]) if s0.strategy else "-",
+            fmt_s(m["step"]) if s0.strategy else "-",
+            f"{ratio / m['mig_max']:.1f}x" if ratio and m["mig_max"] and not math.isnan(ratio / m["mig_max"]) else "-",
+            f"{sum(s.sustained for s in g)}/{len(g)}",
         ])
     widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
     out = []
