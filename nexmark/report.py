@@ -114,6 +114,17 @@ def fmt_s(x: float | None) -> str:
     return f"{x:.2f}s"
 
 
+def _align(lines: list[list[str]]) -> str:
+    """Rows of cells as text columns: the first left-aligned, the others right; a rule under the head."""
+    widths = [max(len(r[i]) for r in lines) for i in range(len(lines[0]))]
+    out = []
+    for j, r in enumerate(lines):
+        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
 def table(rows: list[Summary]) -> str:
     """The summary table of several runs."""
     head = ["run", "workers", "rate/s", "throughput/s", "per worker/s", "per CPU-s", "p50", "p99", "p99.9", "max", "drain",
@@ -130,13 +141,7 @@ def table(rows: list[Summary]) -> str:
             " / ".join(fmt_s(m["duration"]) for m in mig) or "-",
             f"{max(s.peak_rss) / 2**20:,.0f} MiB",
         ])
-    widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
-    out = []
-    for j, r in enumerate(lines):
-        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if j == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return _align(lines)
 
 
 def _median(xs: list[float]) -> float:
@@ -180,13 +185,7 @@ def median_table(groups: list[list[Summary]]) -> str:
             f"{ratio / m['mig_max']:.1f}x" if ratio and m["mig_max"] and not math.isnan(ratio / m["mig_max"]) else "-",
             f"{sum(s.sustained for s in g)}/{len(g)}",
         ])
-    widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
-    out = []
-    for j, r in enumerate(lines):
-        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if j == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return _align(lines)
 
 
 def timeline_text(s: Summary, every: float = INTERVAL) -> str:

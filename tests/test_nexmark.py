@@ -143,3 +143,24 @@ def test_driver_history_then_measured_phase_with_migration():
     assert sum(r["produced"] for r in results) == measured
     steps = results[0]["steps"]
     assert steps and all(s["completed_rel"] is not None for s in steps)
+
+
+def test_median_table_medians_and_all_at_once_ratio():
+    """``--runs``: each figure is the median over a configuration's runs, and a strategy's ratio is
+    all-at-once's median migration maximum over its own (same query and rate)."""
+    from nexmark.report import Summary, median_table
+
+    def run(strategy, mig_max, p50):
+        s = Summary(label=f"q3-megaphone-{strategy}", rate=1000, duration=1.0, workers=2, sent=1000, produced=1,
+                    elapsed=1.0, cpu=1.0, overall=[0.001, p50, 0.003, 0.004, 0.005, 0.006, mig_max], timeline=[],
+                    acked=[], peak_rss=[1 << 20])
+        s.query, s.strategy = "q3", strategy
+        s.migration = {0: {"max_latency": mig_max, "duration": 0.5, "max_step": mig_max / 2}}
+        return s
+
+    text = median_table([[run("all_at_once", x, 0.002) for x in (0.3, 0.1, 0.2)],
+                         [run("batched", x, p) for x, p in ((0.02, 0.001), (0.05, 0.009), (0.01, 0.003))]])
+    aao, batched = text.splitlines()[2:]
+    assert aao.split()[-2:] == ["1.0x", "3/3"] and "200.0ms" in aao
+    assert "20.0ms" in batched and "3.0ms" in batched  # median max latency, median p50
+    assert batched.split()[-2] == "10.0x"  # 200 ms / 20 ms
