@@ -239,7 +239,7 @@ def _check_join(workers, data):
 
 def tracked_job(k):
     """A state machine whose states are ints (atomic: a plain dict of them would be untracked by a
-    full collection); every bin moves to worker 1 at epoch 1. Returns, per held bin, whether its
+    full collection); every bin moves to the last worker at epoch 1. Returns, per held bin, whether its
     state is still tracked by the collector after a full collection, and the states."""
 
     def fold(key, value, state):
