@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
     ap.add_argument("--timeline", action="store_true", help="print the per-250 ms timeline (p50, p99, max, samples)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--gc", choices=("tuned", "off", "default"), default="tuned",
+    ap.add_argument("--gc", choices=("tuned", "paced", "off", "default"), default="tuned",
                     help="worker garbage collector in the measured phase (default tuned: freeze + rare collections)")
     ap.add_argument("--no-isolate", dest="isolate", action="store_false",
                     help="run in this process instead of a fresh one per run (peak RSS then accumulates)")

@@ -59,7 +59,7 @@ class Spec:
     in_flight_auctions: int = 100
     progress: bool = True  # a progress bar on worker 0
     drain_timeout: float = 120.0  # seconds to wait for the output after the input ends
-    gc: str = "tuned"  # "tuned" (freeze + rare collections), "off" or "default"
+    gc: str = "tuned"  # "tuned" (freeze + rare collections), "paced", "off" or "default"
     history: float = 0.0  # seconds of the schedule replayed closed-loop before the measured phase
     skew: float = 0.5  # migrations: the fraction of its bins each odd worker gives away (0.5: 25% of all)
 
@@ -121,20 +121,33 @@ def _targets(controller: Any, peers: int, count: int, fraction: float) -> list[t
     return [skewed(base, fraction, peers) if i % 2 == 0 else base for i in range(count)]
 
 
+PACE = 0.05  # seconds between the young collections of the ``paced`` collector
+
+
 def _configure_gc(mode: str) -> None:
     """The collector during the measured phase: ``tuned`` freezes everything built so far and
     collects young objects rarely (full collections over large query state cost pauses that grow
-    with the state); ``off`` disables it; ``default`` leaves Python's settings."""
+    with the state); ``paced`` freezes too and leaves collections to :func:`_paced_collection`;
+    ``off`` disables it; ``default`` leaves Python's settings."""
     if mode == "default":
         return
     gc.collect()
     gc.freeze()
-    if mode == "off":
+    if mode in ("off", "paced"):
         gc.disable()
     elif mode == "tuned":
         gc.set_threshold(50_000, 50, 1000)
     else:
-        raise ValueError(f"gc mode must be 'tuned', 'off' or 'default', not {mode!r}")
+        raise ValueError(f"gc mode must be 'tuned', 'paced', 'off' or 'default', not {mode!r}")
+
+
+def _paced_collection() -> None:
+    """The ``paced`` collector's beat: collect the young generation (the objects allocated since
+    the last beat, so the pause stays proportional to ``PACE``, not to how long the run has gone),
+    then freeze the survivors: they are long-lived state, which no later collection traverses.
+    Cyclic garbage among survivors is not reclaimed (the trade-off of ``gc.freeze``)."""
+    gc.collect(0)
+    gc.freeze()
 
 
 class WorkerRun:
@@ -254,6 +267,7 @@ class WorkerRun:
         cpu_start = time.process_time()
         wall_start = time.time()
         next_rss = 0.0
+        next_gc = PACE if spec.gc == "paced" else float("inf")
         while True:
             now = time.perf_counter() - start
             target = min(self.history + int(now * 1000), self.end_epoch)
@@ -266,6 +280,9 @@ class WorkerRun:
             if now >= next_rss:
                 self.rss.append((now, rss_bytes()))
                 next_rss = now + 0.1
+            if now >= next_gc:
+                _paced_collection()
+                next_gc = now + PACE
                 progress.update(now, f"backlog {len(self.rounds)} rounds")
             if self.done_sending and not self.rounds:
                 break  # every record sent has been through the output

@@ -164,3 +164,33 @@ def test_median_table_medians_and_all_at_once_ratio():
     assert aao.split()[-2:] == ["1.0x", "3/3"] and "200.0ms" in aao
     assert "20.0ms" in batched and "3.0ms" in batched  # median max latency, median p50
     assert batched.split()[-2] == "10.0x"  # 200 ms / 20 ms
+
+
+def test_paced_collection_reclaims_young_cycles_and_freezes_survivors():
+    """``--gc paced``: each beat collects the young generation (cyclic garbage in it is freed) and
+    freezes what survives, so that no later collection traverses it."""
+    import gc
+    import weakref
+
+    from nexmark.driver import _paced_collection
+
+    class Node:
+        pass
+
+    was_enabled, frozen_before = gc.isenabled(), gc.get_freeze_count()
+    gc.disable()
+    try:
+        cyclic = Node()
+        cyclic.self = cyclic
+        ref = weakref.ref(cyclic)
+        del cyclic
+        survivors = [[i] for i in range(1000)]
+        _paced_collection()
+        assert ref() is None  # the young cycle was collected
+        assert gc.get_count()[0] == 0
+        assert all(gc.is_tracked(x) for x in survivors)
+        assert gc.get_freeze_count() >= frozen_before + len(survivors)  # survivors went to the permanent generation
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
