@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeline", action="store_true", help="print the per-250 ms timeline (p50, p99, max, samples)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--gc", choices=("tuned", "paced", "off", "default"), default="tuned",
-                    help="worker garbage collector in the measured phase (default tuned: freeze + rare collections)")
+                    help="worker garbage collector in the measured phase (default tuned: freeze + rare collections; "
+                         "paced: freeze + a young collection every 50 ms, survivors frozen)")
     ap.add_argument("--no-isolate", dest="isolate", action="store_false",
                     help="run in this process instead of a fresh one per run (peak RSS then accumulates)")
     ap.add_argument("--check", action="store_true", help="verify the queries against the reference and exit")
