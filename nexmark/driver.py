@@ -280,10 +280,10 @@ class WorkerRun:
             if now >= next_rss:
                 self.rss.append((now, rss_bytes()))
                 next_rss = now + 0.1
+                progress.update(now, f"backlog {len(self.rounds)} rounds")
             if now >= next_gc:
                 _paced_collection()
                 next_gc = now + PACE
-                progress.update(now, f"backlog {len(self.rounds)} rounds")
             if self.done_sending and not self.rounds:
                 break  # every record sent has been through the output
             if self.done_sending and now > spec.duration + spec.drain_timeout:
