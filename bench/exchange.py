@@ -22,12 +22,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import timely  # noqa: E402
+import timely
 
 try:
-    from bench import transport  # noqa: E402
+    from bench import transport
 except ImportError:  # run as a script from bench/
-    import transport  # type: ignore  # noqa: E402
+    import transport  # type: ignore
 
 
 def keyed_count(worker: timely.Worker) -> tuple[float, float, int]:

@@ -21,7 +21,8 @@ import os
 import resource
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -213,7 +214,7 @@ class RssSampler:
         self.samples.append((time.time() - self.start, rss_bytes()))
         return self.samples
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -59,17 +59,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import megaphone  # noqa: E402
-import timely  # noqa: E402
-from timely import _routing  # noqa: E402
-from timely.dataflow import Distribute  # noqa: E402
+import megaphone
+import timely
+from timely import routing
+from timely.dataflow import Distribute
 
 try:
-    from bench import latency as L  # noqa: E402
-    from bench.plotting import plot_timelines  # noqa: E402
+    from bench import latency as L
+    from bench.plotting import plot_timelines
 except ImportError:  # run from bench/
-    import latency as L  # type: ignore  # noqa: E402
-    from plotting import plot_timelines  # type: ignore  # noqa: E402
+    import latency as L  # type: ignore
+    from plotting import plot_timelines  # type: ignore
 
 STRATEGIES = ("all_at_once", "fluid", "batched")
 MODES = (*STRATEGIES, "restart", "none")  # none: Megaphone without a migration (steady-state overhead)
@@ -107,7 +107,7 @@ def table_partitioner(table: tuple[int, ...], k: int):
     """A static exchange by the bin routing table (the same Cython routing Megaphone uses)."""
 
     def partition(time, batch, peers):
-        return _routing.route_bins(batch, 0, k, table, peers)[0]
+        return routing.route_bins(batch, 0, k, table, peers)[0]
 
     return partition
 
@@ -160,7 +160,7 @@ def transfer_state(worker: timely.Worker, state: dict, table: tuple[int, ...], k
     t0 = time.perf_counter()
     items = list(state.items())
     state.clear()
-    parts = _routing.route_bins(items, 0, k, table, worker.peers)[0]
+    parts = routing.route_bins(items, 0, k, table, worker.peers)[0]
     del items
     msgs = [(w, pickle.dumps(part[lo:lo + CHUNK], protocol=5))
             for w, part in enumerate(parts) for lo in range(0, len(part), CHUNK)]

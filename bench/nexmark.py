@@ -28,11 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nexmark.driver import Spec, run, run_isolated  # noqa: E402
-from nexmark.harness import Run, diff, execute, expected, random_moves  # noqa: E402
-from nexmark.model import Config, Params  # noqa: E402
-from nexmark.queries import QUERIES  # noqa: E402
-from nexmark.report import Summary, fmt_s, median_table, plot, summarise, table, timeline_text, write_csv  # noqa: E402
+from nexmark.driver import Spec, run, run_isolated
+from nexmark.harness import Run, diff, execute, expected, random_moves
+from nexmark.model import Config, Params
+from nexmark.queries import QUERIES
+from nexmark.report import Summary, fmt_s, median_table, plot, summarise, table, timeline_text, write_csv
 
 
 def parse_params(items: list[str]) -> dict:

@@ -7,7 +7,8 @@ extra) is imported only when plotting, with the non-interactive Agg backend.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 LINES = (("max", "max", "tab:red"), ("p99", "p99", "tab:orange"), ("p50", "p50", "tab:blue"))
 

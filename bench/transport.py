@@ -25,8 +25,8 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from timely.comm.endpoints import free_loopback_ports  # noqa: E402
-from timely.comm.zmq_allocator import ZmqAllocator  # noqa: E402
+from timely.comm.endpoints import free_loopback_ports
+from timely.comm.zmq_allocator import ZmqAllocator
 
 
 def _batch(size: int) -> list[tuple[int, int]]:

@@ -74,8 +74,9 @@ def main(argv=None) -> int:
     p.add_argument("--megaphone", action="store_true")
     args = p.parse_args(argv)
 
-    import spark_bridge
     from pyspark.sql import functions as F
+
+    import spark_bridge
 
     coordinator = f"tcp://127.0.0.1:{free_port()}"
     proc = start_cluster(args.workers, coordinator, ["--megaphone"] if args.megaphone else [])

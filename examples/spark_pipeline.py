@@ -21,9 +21,9 @@ The job runs until Spark calls ``spark_bridge.shutdown(COORDINATOR)``.
 from __future__ import annotations
 
 import argparse
-import sys
 import json
 import os
+import sys
 
 import spark_bridge
 import timely

@@ -4,11 +4,11 @@ Keyed state lives in 2^k bins; a timestamped control stream says which worker ow
 which time on; the routing operator F and the state operator S move bins between workers while the
 dataflow runs (Hoffmann et al., "Megaphone", PVLDB 12(9), 2019). See DESIGN.md section 5.
 """
+from timely.routing import bins_of, hash64
+
 from .control import ControlError, ControlInput, apply_updates, check_update, default_table
 from .controller import ControlEndpoint, Controller, RequestError, StepEvent
 from .operators import BinNotificator, MegaphoneError, Migratable, binary, state_machine, unary
-from timely._routing import bins_of, hash64
-
 from .plan import STRATEGIES, balanced, check_table, moved_bins, plan, skewed
 
 __all__ = [

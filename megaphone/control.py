@@ -12,7 +12,8 @@ Records on the control stream:
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import timely
 

@@ -35,14 +35,15 @@ from __future__ import annotations
 import json
 import time as _time
 from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zmq
 
 from .control import default_table
-from .plan import STRATEGIES, check_table, balanced, plan
+from .plan import STRATEGIES, balanced, check_table, plan
 
 if TYPE_CHECKING:
     from timely import ProbeHandle
@@ -103,7 +104,7 @@ class Controller:
     ``less_equal(t)`` (a :class:`ControlInput` and a ``Migratable.probe``, or test doubles).
     """
 
-    def __init__(self, control: "ControlInput", probe: "ProbeHandle", table: Sequence[int] | None = None,
+    def __init__(self, control: ControlInput, probe: ProbeHandle, table: Sequence[int] | None = None,
                  on_progress: Callable[[StepEvent, str], None] | None = None) -> None:
         self.control = control
         self.probe = probe
@@ -419,7 +420,7 @@ class ControlEndpoint:
         if not self._ctx.closed:
             self._ctx.term()
 
-    def __enter__(self) -> "ControlEndpoint":
+    def __enter__(self) -> ControlEndpoint:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -17,12 +17,13 @@ import pickle
 import time as _time
 from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from itertools import count, islice
 from operator import itemgetter
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import timely
-from timely import _routing
+from timely import routing
 from timely.dataflow import Broadcast, Distribute, ProbeHandle
 from timely.dataflow.operator import InputHandle as OpInput
 from timely.dataflow.operator import OperatorBuilder, OutputHandle
@@ -153,7 +154,7 @@ class BinNotificator:
 
     __slots__ = ("_s", "_bin", "_b", "_now")
 
-    def __init__(self, s: "_StateOperator", b: int, bin_: Bin, now: Any) -> None:
+    def __init__(self, s: _StateOperator, b: int, bin_: Bin, now: Any) -> None:
         self._s = s
         self._b = b
         self._bin = bin_
@@ -257,7 +258,7 @@ class _StateOperator:
         results: list = []
         for batch in self.pending.pop(t)[0]:
             try:
-                bins = _routing.bins_of(batch, self.keys[0], shared.k)
+                bins = routing.bins_of(batch, self.keys[0], shared.k)
             except Exception as e:
                 raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
             for b, r in zip(bins, batch):
@@ -292,7 +293,7 @@ class _StateOperator:
         for i, batches in enumerate(self.pending.pop(t, [[]] * n)):
             for batch in batches:
                 try:
-                    bins = _routing.bins_of(batch, self.keys[i], shared.k)
+                    bins = routing.bins_of(batch, self.keys[i], shared.k)
                 except Exception as e:
                     raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
                 for b, r in zip(bins, batch):
@@ -474,7 +475,7 @@ def _build(streams: Sequence[timely.Stream], control: Any, keys: Sequence[Any], 
 
         def partition(time: Any, batch: Sequence, peers: int) -> list:
             try:
-                return _routing.route_bins(batch, key, bins, shared.table_at(time), peers)[0]
+                return routing.route_bins(batch, key, bins, shared.table_at(time), peers)[0]
             except Exception as e:
                 raise MegaphoneError(f"'{name}': key function failed: {e}") from e
 

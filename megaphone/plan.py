@@ -32,7 +32,7 @@ workers exchanging 30,000 bins need one matching computation, not 30,000.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from typing import Sequence
+from collections.abc import Sequence
 
 import networkx as nx
 from networkx.algorithms.bipartite import hopcroft_karp_matching

@@ -59,7 +59,7 @@ class Timeline:
                 "per_interval": self.per_interval.tobytes(), "overall": self.overall.tobytes()}
 
     @classmethod
-    def merged(cls, parts: list[dict]) -> "Timeline":
+    def merged(cls, parts: list[dict]) -> Timeline:
         """The sum of the timelines of several workers."""
         first = parts[0]
         t = cls(first["duration"])

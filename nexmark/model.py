@@ -126,7 +126,7 @@ class Params(NamedTuple):
     q3_category: int = 10
     q3_states: tuple = ("OR", "ID", "CA")
 
-    def check(self) -> "Params":
+    def check(self) -> Params:
         """Validate (windows positive, the Q5 window a multiple of its slide); return self."""
         if self.d < 1:
             raise ValueError(f"time dilation must be >= 1, not {self.d}")

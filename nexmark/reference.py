@@ -9,7 +9,8 @@ obviously right (and slow: use a few thousand events).
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from .model import Params, last_epoch
 

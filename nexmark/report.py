@@ -67,7 +67,8 @@ def summarise(label: str, spec: Any, results: list[dict]) -> Summary:
     acked = [sum(r["acked_per_interval"][i] for r in results if i < len(r["acked_per_interval"])) for i in range(width)]
     s = Summary(label=label, rate=spec.rate, duration=spec.duration, workers=len(results),
                 sent=sum(r["sent"] for r in results), produced=sum(r["produced"] for r in results),
-                elapsed=max(r["elapsed"] for r in results), cpu=sum(r.get("cpu", 0.0) for r in results), overall=quantiles(tl.overall), timeline=rows,
+                elapsed=max(r["elapsed"] for r in results), cpu=sum(r.get("cpu", 0.0) for r in results),
+                overall=quantiles(tl.overall), timeline=rows,
                 acked=acked, peak_rss=[r["peak_rss"] for r in results],
                 steps=[st for r in results for st in r["steps"]],
                 gc_counts=[sum(r["gc"]["counts"][g] for r in results) for g in range(3)],

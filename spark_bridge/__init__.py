@@ -26,7 +26,12 @@ from typing import Any
 
 from .client import close_stream, shutdown, status
 from .errors import (
-    BridgeError, ClusterStopping, CoordinatorUnreachable, SchemaMismatch, UnknownStream, WorkerUnreachable,
+    BridgeError,
+    ClusterStopping,
+    CoordinatorUnreachable,
+    SchemaMismatch,
+    UnknownStream,
+    WorkerUnreachable,
 )
 from .operators import arrow_to_rows, sink, source
 from .schema import SchemaError

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import zmq
 
@@ -21,7 +22,7 @@ DEFAULT_TIMEOUT = 30.0
 
 _ctx: zmq.Context | None = None
 _ctx_pid: int | None = None
-_links: dict[tuple, "WorkerLink"] = {}  # (thread, endpoint) -> link: ZeroMQ sockets are not thread-safe
+_links: dict[tuple, WorkerLink] = {}  # (thread, endpoint) -> link: ZeroMQ sockets are not thread-safe
 
 
 def context() -> zmq.Context:
@@ -76,7 +77,7 @@ class WorkerLink:
         self._sndtimeo: int | None = None
 
     @staticmethod
-    def get(endpoint: str) -> "WorkerLink":
+    def get(endpoint: str) -> WorkerLink:
         context()
         key = (threading.get_ident(), endpoint)
         link = _links.get(key)

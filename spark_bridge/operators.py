@@ -34,7 +34,7 @@ _EMIT_ROWS = 1 << 18  # rows emitted per activation before yielding to downstrea
 def _server_for(scope: Any, coordinator: str | None, host: str | None) -> BridgeServer:
     if getattr(scope, "levels", 1) != 1:
         raise ValueError("spark_bridge sources and sinks live in the top-level scope (integer epochs)")
-    return serve(scope.df.worker, coordinator, host)
+    return serve(scope.worker, coordinator, host)
 
 
 def _pylist(col: Any) -> list:

@@ -1,4 +1,4 @@
-"""Which worker owns a key: ``timely._routing.hash64(key) % peers``, computed column-wise.
+"""Which worker owns a key: ``timely.routing.hash64(key) % peers``, computed column-wise.
 
 The Spark side routes each row of a keyed write to the worker that ``stream.exchange(key)`` would
 send it to inside the dataflow, so a keyed aggregation right after the source needs no exchange
@@ -51,7 +51,7 @@ def owners(column: Any, peers: int):
     """The owning worker of every value of an Arrow column (a numpy int array of length n).
 
     Integer columns without nulls are hashed vectorised; anything else goes through
-    ``timely._routing.hash64`` value by value (nulls hash as ``None``).
+    ``timely.routing.hash64`` value by value (nulls hash as ``None``).
     """
     import numpy as np
     import pyarrow as pa
@@ -65,7 +65,7 @@ def owners(column: Any, peers: int):
     if pt.is_integer(column.type) and column.null_count == 0 and not pt.is_uint64(column.type):
         h = hash_int64(column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False))
     else:
-        from timely._routing import hash64
+        from timely.routing import hash64
 
         h = np.fromiter((hash64(v) for v in column.to_pylist()), dtype=np.uint64, count=n)
     return (h % np.uint64(peers)).astype(np.int64)

@@ -30,7 +30,8 @@ struct<...>    struct<...>              dict
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 Field = tuple[str, str]
 

@@ -32,7 +32,7 @@ from . import protocol as P
 from . import schema as S
 from .errors import BridgeError
 
-_SERVERS: "weakref.WeakKeyDictionary[Any, BridgeServer]" = weakref.WeakKeyDictionary()
+_SERVERS: weakref.WeakKeyDictionary[Any, BridgeServer] = weakref.WeakKeyDictionary()
 
 _FAST, _MEDIUM, _SLOW = 0.001, 0.01, 0.05
 GRACE = 0.5  # seconds a stopping bridge keeps answering, so writes in flight fail with a clear message
@@ -66,7 +66,7 @@ class Staged:
 class SourceState:
     """One named source on one worker: staged writes, and (worker 0) the commit bookkeeping."""
 
-    def __init__(self, server: "BridgeServer", name: str, fields: list | None, arrow: bool) -> None:
+    def __init__(self, server: BridgeServer, name: str, fields: list | None, arrow: bool) -> None:
         self.server = server
         self.name = name
         self.fields = fields
@@ -182,7 +182,7 @@ class SourceState:
 class SinkState:
     """One named sink on one worker: completed epochs kept (as Arrow IPC) until a reader releases them."""
 
-    def __init__(self, server: "BridgeServer", name: str, fields: list, arrow: bool, keep_alive: bool) -> None:
+    def __init__(self, server: BridgeServer, name: str, fields: list, arrow: bool, keep_alive: bool) -> None:
         self.server = server
         self.name = name
         self.fields = fields
@@ -260,7 +260,7 @@ class SinkState:
         for i, ((name, t), field) in enumerate(zip(self.fields, self.schema)):
             try:
                 pa.array([r[i] for r in records], type=field.type)
-            except Exception as e:  # noqa: BLE001 - reporting the first failing column
+            except Exception as e:
                 return f"sink '{self.name}': column '{name}' ({t}) at epoch {epoch}: {e}"
         return f"sink '{self.name}': records at epoch {epoch} do not fit {S.ddl(self.fields)}: {error}"
 
@@ -487,7 +487,7 @@ class BridgeServer:
         return (f"sources: {', '.join(sorted(self.sources)) or '(none)'}; "
                 f"sinks: {', '.join(sorted(self.sinks)) or '(none)'}")
 
-    def _source(self, name: Any) -> "SourceState | dict":
+    def _source(self, name: Any) -> SourceState | dict:
         st = self.sources.get(name)
         if st is None:
             where = " (it is a sink: read it with spark.read)" if name in self.sinks else ""

@@ -35,7 +35,7 @@ class ThreadJob:
         finally:
             self.ready.set()
 
-    def __enter__(self) -> "ThreadJob":
+    def __enter__(self) -> ThreadJob:
         self.thread.start()
         assert self.ready.wait(30), "timely job did not start"
         if self.error:

@@ -12,13 +12,12 @@ import socket
 import time
 
 import pytest
-
 from procs import become_subreaper, children, reap_zombies
+
 from timely.cluster import supervise
 from timely.comm import framing
-from timely.comm.endpoints import free_loopback_ports, ipc_endpoints, parse_hostfile, hostfile_endpoints
+from timely.comm.endpoints import free_loopback_ports, hostfile_endpoints, ipc_endpoints, parse_hostfile
 from timely.comm.zmq_allocator import AddressInUse, ChannelMismatch, HandshakeError, PeerLost, ZmqAllocator
-
 
 
 @pytest.fixture

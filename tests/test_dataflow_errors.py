@@ -7,13 +7,13 @@ the original error out of that chain so both forms are accepted for capability m
 from __future__ import annotations
 
 import pytest
+from conftest import run
 
 import timely
 from timely.dataflow import OperatorBuilder
 from timely.dataflow.operator import OutputHandle
 from timely.progress import Summary
 from timely.progress.reachability import CycleError
-from conftest import run
 
 pytestmark = pytest.mark.timeout(60)
 

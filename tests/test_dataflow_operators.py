@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import pytest
+from conftest import WORKER_COUNTS, WORKER_IDS, bag, examples, norm, run
 from hypothesis import given
 from hypothesis import strategies as st
 
 import timely
-from conftest import WORKER_COUNTS, WORKER_IDS, bag, examples, norm, run
 
 STEP_TIMEOUT = 20  # seconds: a hang becomes a TimeoutError instead of a stuck test
 
@@ -124,7 +124,7 @@ def first_field(record):
 
 
 def hash_worker(key, peers):
-    from timely._routing import hash64
+    from timely.routing import hash64
 
     return hash64(key) % peers
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections import Counter, defaultdict, deque
 
 import pytest
+from conftest import WORKER_COUNTS, WORKER_IDS, examples, norm, run
 from hypothesis import given
 from hypothesis import strategies as st
 
-from timely.progress import less_equal, less_than
-from timely._routing import hash64
+from timely.routing import hash64
 from timely.dataflow import Exchange
-from conftest import WORKER_COUNTS, WORKER_IDS, examples, norm, run
+from timely.progress import less_equal, less_than
 
 STEP_TIMEOUT = 20
 workers_param = pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)

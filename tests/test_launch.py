@@ -16,9 +16,9 @@ import textwrap
 import time
 
 import pytest
+from procs import become_subreaper, children, reap_zombies
 
 import timely
-from procs import become_subreaper, children, reap_zombies
 from timely.cluster import WorkerError, execute_cluster
 from timely.comm.endpoints import free_loopback_ports
 

@@ -25,12 +25,12 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
+from conftest import norm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import megaphone
 import timely
-from conftest import norm
 from megaphone.control import ControlInput
 from megaphone.controller import ControlEndpoint, Controller, StepEvent
 from megaphone.plan import balanced, plan, skewed
@@ -414,7 +414,7 @@ class FakeJob:
             self.ctl.tick()
             time.sleep(0.002)
 
-    def __enter__(self) -> "FakeJob":
+    def __enter__(self) -> FakeJob:
         self.thread.start()
         return self
 

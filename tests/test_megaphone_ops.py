@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import pytest
+from conftest import WORKER_COUNTS, WORKER_IDS, examples, norm, run
 from hypothesis import given
 from hypothesis import strategies as st
 
 import megaphone
-from conftest import WORKER_COUNTS, WORKER_IDS, examples, norm, run
 
 workers_param = pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
 STEP_TIMEOUT = 30

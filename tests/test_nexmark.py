@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
 from conftest import WORKER_COUNTS, WORKER_IDS
+
 from nexmark.generator import Generator
 from nexmark.harness import Run, diff, execute, expected, random_moves
 from nexmark.model import Config, Params

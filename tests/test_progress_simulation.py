@@ -95,7 +95,7 @@ class SimNetwork:
 
 
 class _SimPusher:
-    def __init__(self, alloc: "SimAllocator", target: int, channel: int) -> None:
+    def __init__(self, alloc: SimAllocator, target: int, channel: int) -> None:
         self.alloc, self.target, self.channel = alloc, target, channel
 
     def push(self, message: Any) -> None:

@@ -294,7 +294,7 @@ class LexPair:
     def __init__(self, a: int, b: int) -> None:
         self.v = (a, b)
 
-    def less_equal(self, other: "LexPair") -> bool:
+    def less_equal(self, other: LexPair) -> bool:
         return self.v <= other.v
 
     def __eq__(self, other: object) -> bool:
@@ -303,7 +303,7 @@ class LexPair:
     def __hash__(self) -> int:
         return hash(self.v)
 
-    def __lt__(self, other: "LexPair") -> bool:
+    def __lt__(self, other: LexPair) -> bool:
         return self.v < other.v
 
     def __repr__(self) -> str:

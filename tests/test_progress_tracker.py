@@ -506,7 +506,10 @@ REJECTED = {
     # the inner feedback is forgotten when leaving: (a, b) -> (a, b + 1) -> a -> (a, 0) <= (a, b)
     "inner feedback, leave, enter": line((("feedback", 1), 2), (("leave", None), 2), (("enter", None), 1)),
     "reset of the inner coordinate": line((("general", (1, 0, (1,))), 2),),
-    "depth 3 leave/enter": line((("feedback", 2), 3), (("leave", None), 3), (("feedback", 1), 2), (("leave", None), 2), (("enter", None), 1), (("enter", None), 2)),
+    "depth 3 leave/enter": line(
+        (("feedback", 2), 3), (("leave", None), 3), (("feedback", 1), 2), (("leave", None), 2), (("enter", None), 1),
+        (("enter", None), 2),
+    ),
 }
 
 ACCEPTED = {

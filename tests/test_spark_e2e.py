@@ -22,8 +22,9 @@ if not (os.environ.get("JAVA_HOME") or __import__("shutil").which("java")):
     pytest.skip("Spark needs Java 17+ (no java on PATH, no JAVA_HOME)", allow_module_level=True)
 pq = pytest.importorskip("pyarrow.parquet")
 
-import spark_bridge  # noqa: E402
 from sparkjob import ThreadJob  # noqa: E402
+
+import spark_bridge  # noqa: E402
 
 ROOT = str(Path(__file__).resolve().parents[1])
 SCHEMA = "key bigint, value bigint"
@@ -359,7 +360,7 @@ class LaunchedJob:
                     "--capture", str(self.capture), *extra]
         self.proc = None
 
-    def __enter__(self) -> "LaunchedJob":
+    def __enter__(self) -> LaunchedJob:
         import subprocess
 
         self._out = open(self.log, "w")
@@ -406,7 +407,7 @@ def _read_counts(spark, ep, epochs):
 
 @pytest.mark.timeout(240)
 def test_two_workers_keyed_writes_land_on_key_owners_exactly_once(spark, tmp_path):
-    from timely._routing import hash64
+    from timely.routing import hash64
 
     df = spark.range(0, 40_000, numPartitions=4).selectExpr("(id * 7919) % 501 as key", "id as value")
     src, ck = tmp_path / "in", tmp_path / "ck"

@@ -2,7 +2,6 @@
 through the bridge's client functions against a timely job running in a thread."""
 from __future__ import annotations
 
-
 import pytest
 
 pa = pytest.importorskip("pyarrow")
@@ -10,12 +9,12 @@ np = pytest.importorskip("numpy")
 pytest.importorskip("pyspark")
 
 import spark_bridge  # noqa: E402
-from sparkjob import ThreadJob
 import timely  # noqa: E402
+from sparkjob import ThreadJob  # noqa: E402
 from spark_bridge import datasource as D  # noqa: E402
 from spark_bridge import schema as S  # noqa: E402
 from spark_bridge.routing import hash_int64, owners  # noqa: E402
-from timely._routing import hash64  # noqa: E402
+from timely.routing import hash64  # noqa: E402
 
 SCHEMA = "key bigint, value bigint"
 

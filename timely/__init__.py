@@ -5,11 +5,19 @@ worker's result; ``python -m timely.launch -w N job.py`` does the same for a job
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .comm.allocator import ThreadAllocator
 from .dataflow import (
-    Capability, CapabilityError, InputError, InputHandle, OperatorError, ProbeHandle, Scope, Stream,
+    Capability,
+    CapabilityError,
+    InputError,
+    InputHandle,
+    OperatorError,
+    ProbeHandle,
+    Scope,
+    Stream,
 )
 from .progress import Summary
 from .worker import Worker, batch_gc

@@ -26,8 +26,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from .comm.endpoints import free_loopback_ports, ipc_endpoints, loopback_endpoints
 from .dataflow.operator import OperatorError
@@ -150,7 +151,7 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
         entry(index, report)
     except _Stopped:
         code = 128 + signal.SIGTERM
-    except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
+    except BaseException as exc:
         from .comm.zmq_allocator import PeerLost
 
         code = 1

@@ -29,10 +29,18 @@ import signal
 import socket
 import sys
 import tempfile
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .cluster import Outcome, primary_failure, run_worker, supervise
-from .comm.endpoints import DEFAULT_PORT, HostfileError, hostfile_endpoints, ipc_endpoints, loopback_endpoints, parse_hostfile
+from .comm.endpoints import (
+    DEFAULT_PORT,
+    HostfileError,
+    hostfile_endpoints,
+    ipc_endpoints,
+    loopback_endpoints,
+    parse_hostfile,
+)
 
 #: Name the job module is imported under in each worker.
 JOB_MODULE = "timely_job"

@@ -4,7 +4,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import time as _time
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from .comm.allocator import Allocator
 from .dataflow.dataflow import Dataflow

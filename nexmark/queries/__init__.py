@@ -6,7 +6,8 @@ query name (``"q0"`` .. ``"q8"``) to its :class:`Query`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import timely
 

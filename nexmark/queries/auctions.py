@@ -26,7 +26,19 @@ from typing import Any
 import megaphone
 import timely
 
-from ..model import A_CATEGORY, A_EXPIRES, A_ID, A_RESERVE, A_SELLER, A_TIME, B_BIDDER, B_PRICE, B_TIME, Params, last_epoch
+from ..model import (
+    A_CATEGORY,
+    A_EXPIRES,
+    A_ID,
+    A_RESERVE,
+    A_SELLER,
+    A_TIME,
+    B_BIDDER,
+    B_PRICE,
+    B_TIME,
+    Params,
+    last_epoch,
+)
 from .common import Streams, frontier_bound, per_time_groups
 
 # Closed auction record fields.

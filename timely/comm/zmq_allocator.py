@@ -49,7 +49,18 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .allocator import LocalPuller, LoopbackPusher, Puller, Pusher
 from .endpoints import ipc_path_in_use
-from .framing import HEADER, MAX_CHANNEL, MAX_SOURCE, VERSION, FramingError, Kind, decode, encode, pack_header, unpack_header
+from .framing import (
+    HEADER,
+    MAX_CHANNEL,
+    MAX_SOURCE,
+    VERSION,
+    FramingError,
+    Kind,
+    decode,
+    encode,
+    pack_header,
+    unpack_header,
+)
 
 # Plain ints: pyzmq's enum flags cost microseconds per operation on the hot path.
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -114,7 +125,7 @@ class _RemotePusher:
 
     __slots__ = ("_alloc", "_peer", "_channel")
 
-    def __init__(self, alloc: "ZmqAllocator", peer: _Peer, channel: int) -> None:
+    def __init__(self, alloc: ZmqAllocator, peer: _Peer, channel: int) -> None:
         self._alloc = alloc
         self._peer = peer
         self._channel = channel

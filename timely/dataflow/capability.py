@@ -24,7 +24,7 @@ class Capability:
 
     __slots__ = ("time", "_op", "port", "_live")
 
-    def __init__(self, op: "OperatorCore", port: int, time: Any, counted: bool = True) -> None:
+    def __init__(self, op: OperatorCore, port: int, time: Any, counted: bool = True) -> None:
         self.time = time
         self._op = op
         self.port = port
@@ -36,7 +36,7 @@ class Capability:
         if not self._live:
             raise CapabilityError(f"operator '{self._op.name}': capability at {self.time!r} used after drop")
 
-    def delayed(self, time: Any) -> "Capability":
+    def delayed(self, time: Any) -> Capability:
         """A new capability for a later (or equal) ``time`` on the same output."""
         self._check()
         if not less_equal(self.time, time):
@@ -68,7 +68,7 @@ class Capability:
         """False once the capability was dropped."""
         return self._live
 
-    def __enter__(self) -> "Capability":
+    def __enter__(self) -> Capability:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -89,7 +89,7 @@ class InputCapability:
 
     __slots__ = ("time", "_op", "_input")
 
-    def __init__(self, op: "OperatorCore", input_port: int, time: Any) -> None:
+    def __init__(self, op: OperatorCore, input_port: int, time: Any) -> None:
         self.time = time
         self._op = op
         self._input = input_port

@@ -7,9 +7,10 @@ the record count per time (DESIGN.md section 2.9).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from .. import _routing
+from .. import routing
 
 Key = Callable[[Any], Any] | int | None
 
@@ -19,14 +20,14 @@ class Pact:
 
     remote = False  # True when the edge needs an allocator channel
 
-    def channel(self, df: Any, target: Any) -> "Channel":
+    def channel(self, df: Any, target: Any) -> Channel:
         raise NotImplementedError
 
 
 class Pipeline(Pact):
     """Records stay on the worker that produced them."""
 
-    def channel(self, df: Any, target: Any) -> "Channel":
+    def channel(self, df: Any, target: Any) -> Channel:
         return PipelineChannel(target)
 
     def __repr__(self) -> str:
@@ -47,7 +48,7 @@ class Exchange(Pact):
             raise TypeError(f"exchange key must be a field index, a function or None, not {key!r}")
         self.key = key
 
-    def channel(self, df: Any, target: Any) -> "Channel":
+    def channel(self, df: Any, target: Any) -> Channel:
         if df.peers == 1:
             return PipelineChannel(target)
         return ExchangeChannel(df, target, self.key)
@@ -62,7 +63,7 @@ class Broadcast(Pact):
 
     remote = True
 
-    def channel(self, df: Any, target: Any) -> "Channel":
+    def channel(self, df: Any, target: Any) -> Channel:
         if df.peers == 1:
             return PipelineChannel(target)
         return BroadcastChannel(df, target)
@@ -83,7 +84,7 @@ class Distribute(Pact):
     def __init__(self, partitioner: Callable[[Any, Sequence, int], list]) -> None:
         self.partitioner = partitioner
 
-    def channel(self, df: Any, target: Any) -> "Channel":
+    def channel(self, df: Any, target: Any) -> Channel:
         if df.peers == 1:
             return PipelineChannel(target)
         return DistributeChannel(df, target, self.partitioner)
@@ -136,7 +137,7 @@ class _RemoteChannel(Channel):
         try:
             self.pushers[worker].push((time, part))
         except (TypeError, ValueError, OverflowError) as e:
-            bad = next((r for r in part if not _routing.serialisable(r)), None)
+            bad = next((r for r in part if not routing.serialisable(r)), None)
             raise TypeError(
                 f"operator '{self.op_name}': record {bad!r:.200} at time {time!r} cannot be sent to "
                 f"worker {worker}: records must be msgpack-serialisable ({e})"
@@ -153,7 +154,7 @@ class ExchangeChannel(_RemoteChannel):
 
     def push(self, time: Any, batch: Sequence) -> int:
         try:
-            parts = _routing.partition(batch, self.peers, self.key)
+            parts = routing.partition(batch, self.peers, self.key)
         except Exception as e:
             raise type(e)(f"operator '{self.op_name}': exchange key failed: {e}") from e
         for w, part in enumerate(parts):

@@ -33,7 +33,7 @@ class ProgressOrderError(RuntimeError):
 class Dataflow:
     """One dataflow instance on one worker."""
 
-    def __init__(self, worker: "Worker", name: str) -> None:
+    def __init__(self, worker: Worker, name: str) -> None:
         self.worker = worker
         self.name = name
         self.index = worker.index
@@ -77,7 +77,7 @@ class Dataflow:
         self._pullers.append((puller, target))
         return pushers, puller
 
-    def connect(self, stream: "Stream", port: InputPort, pact: Pact) -> None:
+    def connect(self, stream: Stream, port: InputPort, pact: Pact) -> None:
         """Add an edge from ``stream`` to input ``port`` through ``pact``."""
         src = self.operators[stream.node].outputs[stream.port]
         if src.levels != port.levels:

@@ -1,7 +1,8 @@
 """Inputs, probes and loop handles: how a worker's driver code talks to a running dataflow."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..progress.frontier import MutableAntichain
 from ..progress.timestamp import Summary, less_equal, less_than, minimal
@@ -22,10 +23,10 @@ class InputHandle:
     before ``t``; ``close()`` promises no more records at all.
     """
 
-    def __init__(self, op: "OperatorCore", cap: "Capability") -> None:
+    def __init__(self, op: OperatorCore, cap: Capability) -> None:
         self._op = op
-        self._out: "OutputPort" = op.outputs[0]
-        self._cap: "Capability | None" = cap
+        self._out: OutputPort = op.outputs[0]
+        self._cap: Capability | None = cap
         self._buffer: list = []
         self._closed_at: Any = None
 

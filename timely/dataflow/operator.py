@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import traceback
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..progress.frontier import MutableAntichain
 from ..progress.reachability import Source, Target
@@ -40,7 +41,7 @@ class InputPort:
 
     __slots__ = ("op", "port", "queue", "frontier", "levels")
 
-    def __init__(self, op: "OperatorCore", port: int, levels: int) -> None:
+    def __init__(self, op: OperatorCore, port: int, levels: int) -> None:
         self.op = op
         self.port = port
         self.levels = levels
@@ -58,7 +59,7 @@ class OutputPort:
 
     __slots__ = ("op", "port", "levels", "channels")
 
-    def __init__(self, op: "OperatorCore", port: int, levels: int) -> None:
+    def __init__(self, op: OperatorCore, port: int, levels: int) -> None:
         self.op = op
         self.port = port
         self.levels = levels
@@ -77,7 +78,7 @@ class OutputPort:
 class OperatorCore:
     """The runtime part of an operator: ports, summaries, and the installed logic."""
 
-    def __init__(self, df: "Dataflow", index: int, name: str) -> None:
+    def __init__(self, df: Dataflow, index: int, name: str) -> None:
         self.df = df
         self.index = index
         self.name = name
@@ -162,7 +163,7 @@ class Session:
         """Send many records."""
         self._buffer.extend(records)
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -284,7 +285,7 @@ class OperatorBuilder:
     ``connection`` (one list of summaries per output) to declare something else.
     """
 
-    def __init__(self, scope: "Scope", name: str) -> None:
+    def __init__(self, scope: Scope, name: str) -> None:
         self.scope = scope
         self.df = scope.df
         self.core = self.df.add_operator(name)
@@ -298,7 +299,7 @@ class OperatorBuilder:
 
     def new_input(
         self,
-        stream: "Stream",
+        stream: Stream,
         pact: Pact | None = None,
         connection: list[list[Summary]] | None = None,
         levels: int | None = None,

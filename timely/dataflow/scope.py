@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..progress.timestamp import Summary
 from .capability import Capability
@@ -19,6 +20,7 @@ from .operator import InputHandle as OpInput
 from .operator import Notificator, OperatorBuilder, OutputHandle
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..worker import Worker
     from .dataflow import Dataflow
 
 
@@ -39,10 +41,15 @@ class OperatorInfo(NamedTuple):
 class Scope:
     """A region of a dataflow whose times have ``levels`` coordinates."""
 
-    def __init__(self, df: "Dataflow", levels: int = 1, parent: "Scope | None" = None) -> None:
+    def __init__(self, df: Dataflow, levels: int = 1, parent: Scope | None = None) -> None:
         self.df = df
         self.levels = levels
         self.parent = parent
+
+    @property
+    def worker(self) -> "Worker":
+        """The worker building this scope."""
+        return self.df.worker
 
     @property
     def index(self) -> int:
@@ -69,7 +76,7 @@ class Scope:
         self.df.worker._open_inputs.append(handle)
         return handle
 
-    def source(self, constructor: Callable, name: str = "Source") -> "Stream":
+    def source(self, constructor: Callable, name: str = "Source") -> Stream:
         """An operator with no input that produces data itself.
 
         ``constructor(capability, info)`` returns ``logic(output)``; the operator runs when activated
@@ -94,7 +101,7 @@ class Scope:
         core.activate()
         return Stream(self, core.index, 0)
 
-    def feedback(self, step: int = 1, name: str = "Feedback") -> tuple[LoopHandle, "Stream"]:
+    def feedback(self, step: int = 1, name: str = "Feedback") -> tuple[LoopHandle, Stream]:
         """A loop: returns ``(handle, stream)``; records given to ``connect_loop(handle)`` reappear on
         ``stream`` with their last time coordinate advanced by ``step`` (which must be positive)."""
         if step <= 0:
@@ -106,7 +113,7 @@ class Scope:
         return handle, Stream(self, b.index, 0)
 
     @contextlib.contextmanager
-    def iterative(self) -> Iterator["Scope"]:
+    def iterative(self) -> Iterator[Scope]:
         """A nested scope for loops: its times are ``(outer, ..., inner)`` tuples."""
         yield Scope(self.df, self.levels + 1, self)
 
@@ -125,8 +132,8 @@ class Stream:
     def _info(self, b: OperatorBuilder, name: str) -> OperatorInfo:
         return OperatorInfo(name, b.index, self.scope.index, self.scope.peers, b.core)
 
-    def _generic(self, others: Sequence["Stream"], pacts: Sequence[Key | Pact | None], name: str, logic: Callable,
-                 frontier: bool, notify: bool) -> "Stream":
+    def _generic(self, others: Sequence[Stream], pacts: Sequence[Key | Pact | None], name: str, logic: Callable,
+                 frontier: bool, notify: bool) -> Stream:
         """The one-output operator behind unary/binary and their frontier/notify variants.
 
         Without ``notify``, ``logic`` is a constructor ``(cap, info) -> logic(*inputs, output)``; with
@@ -163,7 +170,7 @@ class Stream:
         return Stream(self.scope, b.index, 0)
 
     def unary(self, constructor: Callable, name: str = "Unary", exchange: Key | Pact | None = None,
-              frontier: bool = False) -> "Stream":
+              frontier: bool = False) -> Stream:
         """A generic one-input operator.
 
         ``constructor(capability, info)`` runs once and returns ``logic(input, output)``, called with
@@ -173,12 +180,12 @@ class Stream:
         return self._generic((), (exchange,), name, constructor, frontier, notify=False)
 
     def unary_frontier(self, constructor: Callable, name: str = "UnaryFrontier",
-                       exchange: Key | Pact | None = None) -> "Stream":
+                       exchange: Key | Pact | None = None) -> Stream:
         """Like :meth:`unary`, also scheduled when the input frontier (``input.frontier``) changes."""
         return self.unary(constructor, name, exchange, frontier=True)
 
     def unary_notify(self, logic: Callable, name: str = "UnaryNotify",
-                     exchange: Key | Pact | None = None) -> "Stream":
+                     exchange: Key | Pact | None = None) -> Stream:
         """A one-input operator with a notificator: ``logic(input, output, notificator)``.
 
         ``notificator.notify_at(cap.retain())`` asks for a call once the input frontier passes
@@ -186,19 +193,19 @@ class Stream:
         """
         return self._generic((), (exchange,), name, logic, frontier=True, notify=True)
 
-    def binary(self, other: "Stream", constructor: Callable, name: str = "Binary",
+    def binary(self, other: Stream, constructor: Callable, name: str = "Binary",
                exchange1: Key | Pact | None = None, exchange2: Key | Pact | None = None,
-               frontier: bool = False) -> "Stream":
+               frontier: bool = False) -> Stream:
         """A generic two-input operator: ``constructor(cap, info)`` returns ``logic(input1, input2, output)``."""
         return self._generic((other,), (exchange1, exchange2), name, constructor, frontier, notify=False)
 
-    def binary_frontier(self, other: "Stream", constructor: Callable, name: str = "BinaryFrontier",
-                        exchange1: Key | Pact | None = None, exchange2: Key | Pact | None = None) -> "Stream":
+    def binary_frontier(self, other: Stream, constructor: Callable, name: str = "BinaryFrontier",
+                        exchange1: Key | Pact | None = None, exchange2: Key | Pact | None = None) -> Stream:
         """Like :meth:`binary`, also scheduled when either input frontier changes."""
         return self.binary(other, constructor, name, exchange1, exchange2, frontier=True)
 
-    def binary_notify(self, other: "Stream", logic: Callable, name: str = "BinaryNotify",
-                      exchange1: Key | Pact | None = None, exchange2: Key | Pact | None = None) -> "Stream":
+    def binary_notify(self, other: Stream, logic: Callable, name: str = "BinaryNotify",
+                      exchange1: Key | Pact | None = None, exchange2: Key | Pact | None = None) -> Stream:
         """A two-input operator with a notificator: ``logic(input1, input2, output, notificator)``;
         a time is delivered once both input frontiers have passed it."""
         return self._generic((other,), (exchange1, exchange2), name, logic, frontier=True, notify=True)
@@ -213,7 +220,7 @@ class Stream:
 
     # -- batch-at-a-time pipeline operators ------------------------------------------------------
     def _forward(self, name: str, transform: Callable[[Any, Sequence], Sequence | None],
-                 pact: Pact | None = None, inputs: Sequence["Stream"] = ()) -> "Stream":
+                 pact: Pact | None = None, inputs: Sequence[Stream] = ()) -> Stream:
         """An operator sending ``transform(time, batch)`` at the batch's own time (identity summary)."""
         b = OperatorBuilder(self.scope, name)
         for s in (self, *inputs):
@@ -243,23 +250,23 @@ class Stream:
         b.build(build)
         return Stream(self.scope, b.index, 0)
 
-    def map(self, f: Callable[[Any], Any], name: str = "Map") -> "Stream":
+    def map(self, f: Callable[[Any], Any], name: str = "Map") -> Stream:
         """Apply ``f`` to every record."""
         return self._forward(name, lambda t, batch: [f(x) for x in batch])
 
-    def map_batch(self, f: Callable[[Sequence], Sequence], name: str = "MapBatch") -> "Stream":
+    def map_batch(self, f: Callable[[Sequence], Sequence], name: str = "MapBatch") -> Stream:
         """Apply ``f`` to every batch (a list or tuple of records); it returns the output batch."""
         return self._forward(name, lambda t, batch: f(batch))
 
-    def flat_map(self, f: Callable[[Any], Any], name: str = "FlatMap") -> "Stream":
+    def flat_map(self, f: Callable[[Any], Any], name: str = "FlatMap") -> Stream:
         """Replace every record by the records of the iterable ``f(record)``."""
         return self._forward(name, lambda t, batch: [y for x in batch for y in f(x)])
 
-    def filter(self, predicate: Callable[[Any], bool], name: str = "Filter") -> "Stream":
+    def filter(self, predicate: Callable[[Any], bool], name: str = "Filter") -> Stream:
         """Keep the records for which ``predicate`` is true."""
         return self._forward(name, lambda t, batch: [x for x in batch if predicate(x)])
 
-    def inspect(self, f: Callable[[Any], Any], name: str = "Inspect") -> "Stream":
+    def inspect(self, f: Callable[[Any], Any], name: str = "Inspect") -> Stream:
         """Call ``f(record)`` for every record and pass the records on."""
 
         def each(t: Any, batch: Sequence) -> Sequence:
@@ -269,7 +276,7 @@ class Stream:
 
         return self._forward(name, each)
 
-    def inspect_batch(self, f: Callable[[Any, Sequence], Any], name: str = "InspectBatch") -> "Stream":
+    def inspect_batch(self, f: Callable[[Any, Sequence], Any], name: str = "InspectBatch") -> Stream:
         """Call ``f(time, batch)`` for every batch and pass the records on."""
 
         def each(t: Any, batch: Sequence) -> Sequence:
@@ -278,19 +285,19 @@ class Stream:
 
         return self._forward(name, each)
 
-    def exchange(self, key: Key = None, name: str = "Exchange") -> "Stream":
+    def exchange(self, key: Key = None, name: str = "Exchange") -> Stream:
         """Move every record to the worker chosen by the hash of its key (field index or function)."""
         return self._forward(name, lambda t, batch: batch, Exchange(key))
 
-    def broadcast(self, name: str = "Broadcast") -> "Stream":
+    def broadcast(self, name: str = "Broadcast") -> Stream:
         """Send every record to every worker."""
         return self._forward(name, lambda t, batch: batch, Broadcast())
 
-    def concat(self, *others: "Stream", name: str = "Concat") -> "Stream":
+    def concat(self, *others: Stream, name: str = "Concat") -> Stream:
         """Merge this stream with ``others``."""
         return self._forward(name, lambda t, batch: batch, None, others)
 
-    def partition(self, parts: int, route: Callable[[Any], int], name: str = "Partition") -> list["Stream"]:
+    def partition(self, parts: int, route: Callable[[Any], int], name: str = "Partition") -> list[Stream]:
         """Split into ``parts`` streams; ``route(record)`` gives each record's stream index."""
         b = OperatorBuilder(self.scope, name)
         b.new_input(self)
@@ -328,7 +335,7 @@ class Stream:
         self.probe_with(handle)
         return handle
 
-    def probe_with(self, handle: ProbeHandle) -> "Stream":
+    def probe_with(self, handle: ProbeHandle) -> Stream:
         """Add this stream's frontier to ``handle``; returns the same records as a new stream."""
         out = self._forward("Probe", lambda t, batch: batch)
         core = self.scope.df.operators[out.node]
@@ -348,14 +355,14 @@ class Stream:
         core.logic = run
         return out
 
-    def capture(self) -> "Captured":
+    def capture(self) -> Captured:
         """Record every ``(time, batch)`` this worker sees, for tests and small outputs."""
         captured = Captured()
         self.sink(lambda inp: captured._take(inp), name="Capture")
         return captured
 
     # -- keyed aggregations --------------------------------------------------------------------
-    def count_by_key(self, key: Key = None, name: str = "CountByKey") -> "Stream":
+    def count_by_key(self, key: Key = None, name: str = "CountByKey") -> Stream:
         """Per time, emit ``(key, count)`` for each key seen, once the time is complete.
 
         ``key`` is a field index, a function, or ``None`` (the record itself is the key). Records are
@@ -374,7 +381,7 @@ class Stream:
 
         return self.unary_notify(logic, name, Exchange(key))
 
-    def reduce_by_key(self, reduce: Callable[[Any, Any], Any], name: str = "ReduceByKey") -> "Stream":
+    def reduce_by_key(self, reduce: Callable[[Any, Any], Any], name: str = "ReduceByKey") -> Stream:
         """On a stream of ``(key, value)`` pairs, emit ``(key, reduce(reduce(v1, v2), v3)...)`` per
         key and time, once the time is complete."""
         state: dict[Any, dict] = {}
@@ -414,7 +421,7 @@ class Stream:
 
         b.build(build)
 
-    def enter(self, inner: Scope, name: str = "Enter") -> "Stream":
+    def enter(self, inner: Scope, name: str = "Enter") -> Stream:
         """Bring this stream into the nested scope ``inner``: time ``t`` becomes ``(t, 0)``."""
         if inner.parent is not self.scope:
             raise ValueError("enter() takes a scope nested directly in this stream's scope")
@@ -423,7 +430,7 @@ class Stream:
         self._restamp(b, Summary.enter(self.scope.levels), levels=self.scope.levels)
         return Stream(inner, b.index, 0)
 
-    def leave(self, name: str = "Leave") -> "Stream":
+    def leave(self, name: str = "Leave") -> Stream:
         """Take this stream out of its nested scope: time ``(t, i)`` becomes ``t``."""
         inner = self.scope
         if inner.parent is None:

@@ -1,7 +1,8 @@
 """``ChangeBatch``: a consolidating multiset of ``(key, diff)`` updates, the unit of progress messages."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 
 class ChangeBatch:
@@ -38,7 +39,7 @@ class ChangeBatch:
                 else:
                     del counts[key]
 
-    def drain_into(self, other: "ChangeBatch") -> None:
+    def drain_into(self, other: ChangeBatch) -> None:
         """Move every update into ``other`` and leave this batch empty."""
         if not other._counts:
             other._counts, self._counts = self._counts, other._counts

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import heapq
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .timestamp import less_equal, less_than
 
@@ -35,7 +36,7 @@ class Antichain:
         """True if some element is ``< t``."""
         return any(less_than(x, t) for x in self.elements)
 
-    def dominates(self, other: "Antichain") -> bool:
+    def dominates(self, other: Antichain) -> bool:
         """``self <= other``: every element of ``other`` has an element of ``self`` ``<=`` it."""
         return all(self.less_equal(b) for b in other.elements)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from typing import Any, Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 from .change_batch import ChangeBatch
 from .frontier import Antichain, MutableAntichain
@@ -98,7 +99,7 @@ class Builder:
                         f"its outermost level {level}): {names}"
                     )
 
-    def build(self) -> "Tracker":
+    def build(self) -> Tracker:
         """Check the graph and freeze it into a tracker."""
         self.check_acyclic()
         return Tracker(self.nodes, dict(self.edges))

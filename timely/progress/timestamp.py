@@ -16,9 +16,9 @@ coordinates ``push`` are appended). A time with a single coordinate is an ``int`
 """
 from __future__ import annotations
 
-from typing import Iterable, Union
+from collections.abc import Iterable
 
-Time = Union[int, tuple]
+Time = int | tuple
 
 
 def depth(t: Time) -> int:
@@ -88,22 +88,22 @@ class Summary:
         self._key = (keep, add, self.push)
 
     @classmethod
-    def identity(cls, levels: int = 1) -> "Summary":
+    def identity(cls, levels: int = 1) -> Summary:
         """The summary that leaves times of ``levels`` coordinates unchanged."""
         return cls(levels, 0, ())
 
     @classmethod
-    def feedback(cls, levels: int, step: int) -> "Summary":
+    def feedback(cls, levels: int, step: int) -> Summary:
         """Advance the last of ``levels`` coordinates by ``step`` (a loop's feedback edge)."""
         return cls(levels, step, ())
 
     @classmethod
-    def enter(cls, levels: int) -> "Summary":
+    def enter(cls, levels: int) -> Summary:
         """Enter a nested scope from a scope whose times have ``levels`` coordinates."""
         return cls(levels, 0, (0,))
 
     @classmethod
-    def leave(cls, levels: int) -> "Summary":
+    def leave(cls, levels: int) -> Summary:
         """Leave a nested scope whose times have ``levels`` coordinates."""
         return cls(levels - 1, 0, ())
 
@@ -117,7 +117,7 @@ class Summary:
             raise TypeError(f"summary {self!r} needs times of at least {k} coordinates, got {t!r}")
         return _time(c[: k - 1] + (c[k - 1] + self.add,) + self.push)
 
-    def followed_by(self, other: "Summary") -> "Summary":
+    def followed_by(self, other: Summary) -> Summary:
         """The summary of this path followed by ``other``: ``other(self(t))`` for every ``t``."""
         k1, k2 = self.keep, other.keep
         if k2 < k1:
@@ -129,7 +129,7 @@ class Summary:
             raise TypeError(f"cannot compose {self!r} with {other!r}: depths do not match")
         return Summary(k1, self.add, self.push[:j] + (self.push[j] + other.add,) + other.push)
 
-    def less_equal(self, other: "Summary") -> bool:
+    def less_equal(self, other: Summary) -> bool:
         """``self(t) <= other(t)`` for every ``t``; summaries of different shapes are incomparable."""
         if self.keep != other.keep or len(self.push) != len(other.push):
             return False
@@ -149,7 +149,7 @@ class Summary:
     def __hash__(self) -> int:
         return hash(self._key)
 
-    def __lt__(self, other: "Summary") -> bool:  # a total order, for sorting only
+    def __lt__(self, other: Summary) -> bool:  # a total order, for sorting only
         return self._key < other._key
 
     def __repr__(self) -> str:
