@@ -10,10 +10,9 @@ import pytest
 from conftest import run
 
 import timely
-from timely.dataflow import OperatorBuilder
-from timely.dataflow.operator import OutputHandle
+from timely import OperatorBuilder
+from timely.errors import CycleError
 from timely.progress import Summary
-from timely.progress.reachability import CycleError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,15 +81,11 @@ def test_capability_for_another_output():
             b = OperatorBuilder(scope, "TwoOutputs")
             b.new_input(inp.stream)
             b.new_output()
-            b.new_output()
-            core = b.core
+            out1, _ = b.new_output()
 
             def constructor(caps):
-                out1 = OutputHandle(core.outputs[1])
-
                 def logic():
                     out1.session(caps[0]).give(1)
-                    out1.flush()
                 return logic
 
             b.build(constructor)
@@ -149,20 +144,15 @@ def test_input_capability_through_non_identity_summary():
         with worker.dataflow() as scope:
             inp = scope.new_input()
             b = OperatorBuilder(scope, "Delayer")
-            b.new_input(inp.stream, connection=[[Summary(1, 1)]])
-            b.new_output()
-            core = b.core
+            inp_h = b.new_input(inp.stream, connection=[[Summary(1, 1)]])
+            out, _ = b.new_output()
 
             def constructor(caps):
                 caps[0].drop()
-                from timely.dataflow.operator import InputHandle as OpInput
-
-                inp_h, out = OpInput(core.inputs[0]), OutputHandle(core.outputs[0])
 
                 def logic():
                     for c, batch in inp_h:
                         out.session(c).give_batch(batch)
-                    out.flush()
                 return logic
 
             b.build(constructor)
@@ -272,8 +262,7 @@ def test_identity_cycle_with_operator_builder():
         with worker.dataflow() as scope:
             inp = scope.new_input()
             b = OperatorBuilder(scope, "CycleHead")
-            b.new_output()
-            head = timely.Stream(scope, b.index, 0)
+            _, head = b.new_output()
             tail = inp.stream.concat(head).map(lambda x: x, name="CycleBody")
             b.new_input(tail)
             b.build(lambda caps: (lambda: None))
@@ -292,8 +281,7 @@ def test_identity_cycle_through_leave_and_enter():
         with worker.dataflow() as scope:
             inp = scope.new_input()
             b = OperatorBuilder(scope, "OuterHead")
-            b.new_output()
-            head = timely.Stream(scope, b.index, 0)
+            _, head = b.new_output()
             with scope.iterative() as inner:
                 back = inp.stream.concat(head).enter(inner).map(lambda x: x).leave()
             b.new_input(back)
@@ -331,7 +319,7 @@ def test_feedback_never_connected():
             h, loop = scope.feedback(1, name="Dangling")
             inp.stream.concat(loop).probe()
 
-    with pytest.raises(RuntimeError) as ei:
+    with pytest.raises(timely.errors.BuildError) as ei:
         run(main, 1)
     msg = str(ei.value)
     # The message must say what to do about a *feedback*, not just "operators never built".

@@ -419,7 +419,7 @@ def test_probe_with_and_capture(workers):
             a.close()
             b.close()
             worker.step_while(lambda: not probe.done(), timeout=STEP_TIMEOUT)
-            assert probe.frontier() == []
+            assert probe.frontier == []
             return ca.extract(), ca.records(), cb.extract(), complete_at
 
         results = run(main, workers)
@@ -453,7 +453,7 @@ def test_sink(workers):
             def logic(inp):
                 for cap, batch in inp:
                     got.append((cap.time, list(batch)))
-                frontiers.append(list(inp.frontier.frontier))
+                frontiers.append(list(inp.frontier))
 
             with worker.dataflow() as scope:
                 inp = scope.new_input()

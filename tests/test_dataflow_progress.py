@@ -91,7 +91,7 @@ def test_frontiers_never_go_backwards(workers):
 
             def record():
                 for hist, p in zip(history, probes):
-                    f = p.frontier()
+                    f = p.frontier
                     if not hist or hist[-1] != f:
                         hist.append(f)
                 return True
@@ -149,10 +149,10 @@ def test_probe_passes_exactly_when_epoch_processed(workers):
                 assert not probe.less_equal(t)
                 assert probe.less_equal(t + 1)
                 # Our own input still holds t + 1, so the frontier is exactly {t + 1}.
-                log.append((t, probe.frontier(), sum(n for s, n in seen.items() if s <= t)))
+                log.append((t, list(probe.frontier), sum(n for s, n in seen.items() if s <= t)))
             inp.close()
             worker.step_while(lambda: not probe.done(), timeout=STEP_TIMEOUT)
-            assert probe.frontier() == [] and not probe.less_than(10 ** 9)
+            assert probe.frontier == [] and not probe.less_than(10 ** 9)
             return log
 
         for w, log in enumerate(run(main, workers)):
@@ -209,16 +209,16 @@ def test_held_capability_blocks_downstream_probe(workers):
                     for _ in range(5):
                         worker.step()
                     if t < release - 1:
-                        assert p_down.frontier() == [0], p_down.frontier()
+                        assert p_down.frontier == [0], p_down.frontier
                         assert p_down.less_than(1)
                     else:
                         # Worker 0 may already be sending the marker (it is at most one epoch
                         # ahead): either still held, or released with the input at `release`.
-                        f = p_down.frontier()
+                        f = p_down.frontier
                         assert f == [0] or (f and min(f) >= release), f
                 else:
                     worker.step_while(lambda: p_down.less_than(t + 1), timeout=STEP_TIMEOUT)
-                    assert p_down.frontier() == [t + 1]
+                    assert p_down.frontier == [t + 1]
                     for _ in range(3):
                         worker.step()
                 # (another worker may be one epoch ahead: look at times <= t only)
@@ -252,7 +252,7 @@ def test_batches_never_arrive_behind_the_frontier(workers):
                 def logic(inp, out):
                     for c, batch in inp:
                         if not inp.frontier.less_equal(c.time):
-                            violations.append((c.time, list(inp.frontier.frontier)))
+                            violations.append((c.time, list(inp.frontier)))
                         out.give_batch(c, batch)
                 return logic
 
@@ -465,7 +465,7 @@ def test_nested_scope_halving(workers):
                 inp.advance_to(t + 1)
                 worker.step_while(lambda: probe.less_than(t + 1), timeout=STEP_TIMEOUT)
                 # once the outer probe passes t, the loop has finished every iteration of epoch t
-                assert all(tt[0] > t for tt in p_inner.frontier()), p_inner.frontier()
+                assert all(tt[0] > t for tt in p_inner.frontier), p_inner.frontier
             inp.close()
             worker.finish()
             return c_inner.extract(), c_left.extract()

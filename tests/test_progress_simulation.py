@@ -156,7 +156,7 @@ def build(worker: timely.Worker, violations: list, loop: bool):
                 for c, batch in inp:
                     if not inp.frontier.less_equal(c.time):
                         violations.append(f"worker {worker.index}: '{name}' got data at {c.time} past frontier "
-                                          f"{inp.frontier.frontier}")
+                                          f"{list(inp.frontier)}")
                     out.give_batch(c, batch)
             return logic
         return ctor
@@ -192,10 +192,10 @@ def view_ahead_of_truth(df, oracle) -> list:
     """Locations where the worker's frontier is ahead of the oracle's (unsafe)."""
     bad = []
     for loc, truth in oracle.implications.items():
-        view = df.tracker.implications[loc].frontier
-        for t in truth.frontier:
+        view = df.tracker.implications[loc].elements
+        for t in truth.elements:
             if not any(less_equal(v, t) for v in view):
-                bad.append((loc, view, truth.frontier))
+                bad.append((loc, view, truth.elements))
     return bad
 
 
@@ -262,8 +262,8 @@ def simulate(seed: int, peers: int, epochs: int, loop: bool, fault: str | None =
     # Completion: every view equals the truth, and every dataflow completed.
     for w, (_, probe, df) in enumerate(built):
         if not probe.done():
-            violations.append(f"worker {w}: never completed (probe frontier {probe.frontier()}); truth complete: "
-                              f"{all(not m.frontier for m in oracle.implications.values())}")
+            violations.append(f"worker {w}: never completed (probe frontier {probe.frontier}); truth complete: "
+                              f"{all(not m.elements for m in oracle.implications.values())}")
     return violations
 
 

@@ -406,13 +406,13 @@ def test_mutable_antichain_matches_oracle(data):
     ma = MutableAntichain()
     counts: dict = {}
     for batch in batches:
-        old = list(ma.frontier)
+        old = list(ma.elements)
         diff = ma.update_iter(batch)
         for t, d in batch:
             counts[t] = counts.get(t, 0) + d
         positive = [t for t, c in counts.items() if c > 0]
         expect = ref_minimal(positive, ref_le)
-        new = ma.frontier
+        new = ma.elements
         assert len(new) == len(set(new))
         assert set(new) == expect
         # counts are exact, including transiently negative ones; zeros are dropped
@@ -457,21 +457,21 @@ def test_mutable_antichain_int_heap_matches_oracle(updates, every):
         for t, d in batch:
             counts[t] = counts.get(t, 0) + d
         positive = [t for t, c in counts.items() if c > 0]
-        assert ma.frontier == ([min(positive)] if positive else [])
+        assert ma.elements == ([min(positive)] if positive else [])
         assert ma.counts == {t: c for t, c in counts.items() if c != 0}
 
 
 def test_mutable_antichain_transient_negative():
     ma = MutableAntichain()
     assert ma.update_iter([((1, 1), -1)]) == []  # a decrement seen before its increment
-    assert ma.frontier == [] and ma.count_for((1, 1)) == -1
+    assert ma.elements == [] and ma.count_for((1, 1)) == -1
     assert ma.update_iter([((2, 0), 1)]) == [((2, 0), 1)]
     assert sorted(ma.update_iter([((1, 1), 2)])) == [((1, 1), 1)]
-    assert sorted(ma.frontier) == [(1, 1), (2, 0)]
+    assert sorted(ma.elements) == [(1, 1), (2, 0)]
     assert sorted(ma.update_iter([((0, 0), 1), ((0, 0), -1)])) == []
     assert sorted(ma.update_iter([((0, 1), 1)])) == [((0, 1), 1), ((1, 1), -1)]
     assert sorted(ma.update_iter([((2, 0), -1), ((0, 1), -1), ((1, 1), -1)])) == [((0, 1), -1), ((2, 0), -1)]
-    assert ma.frontier == [] and ma.is_empty()
+    assert ma.elements == [] and ma.is_empty()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -399,7 +399,7 @@ def expected_implication_counts(tracker: Tracker, g: Graph) -> dict:
     plus, for every incoming step, the image of the upstream location's implication frontier."""
     exp = {loc: defaultdict(int) for loc in g.locations}
     for loc in g.locations:
-        for t in tracker.pointstamps[loc].frontier:
+        for t in tracker.pointstamps[loc].elements:
             exp[loc][t] += 1
         for t in tracker.frontier(loc):
             for nxt, t2 in g.advance(loc, t, minimal_only=True):
@@ -413,8 +413,8 @@ def check_state(tracker: Tracker, g: Graph, counts: dict, paths=None) -> None:
     for loc in g.locations:
         ps = tracker.pointstamps[loc]
         assert ps.counts == {t: c for (l, t), c in counts.items() if l == loc and c != 0}
-        assert set(ps.frontier) == positive_frontier(counts, loc)
-    assert tracker.total_counts == sum(len(tracker.pointstamps[loc].frontier) for loc in g.locations)
+        assert set(ps.elements) == positive_frontier(counts, loc)
+    assert tracker.total_counts == sum(len(tracker.pointstamps[loc].elements) for loc in g.locations)
     assert tracker.tracking_anything() == bool(positive)
     # implication frontiers equal the brute-force oracle(s)
     expected = reach_oracle(g, counts)

@@ -8,16 +8,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import errors, routing
 from .comm.allocator import ThreadAllocator
 from .dataflow import (
-    Capability,
-    CapabilityError,
-    InputError,
-    InputHandle,
-    OperatorError,
-    ProbeHandle,
-    Scope,
+    Activator, Broadcast, Capability, Captured, Distribute, Exchange, Frontier, InputCapability, InputHandle,
+    Notificator, OperatorBuilder, OperatorInfo, OperatorInput, OperatorOutput, Pact, Pipeline, ProbeHandle, Scope,
     Stream,
+)
+from .errors import (
+    BuildError, CapabilityError, InputError, OperatorError, ProgressMismatchError, ProgressOrderError, TimelyError,
 )
 from .progress import Summary
 from .worker import Worker, batch_gc
@@ -31,9 +30,13 @@ def __getattr__(name: str) -> Any:
         return getattr(cluster, name)
     raise AttributeError(f"module 'timely' has no attribute {name!r}")
 
+
 __all__ = [
-    "Capability", "CapabilityError", "InputError", "InputHandle", "OperatorError", "ProbeHandle", "Scope",
-    "Stream", "Summary", "Worker", "WorkerError", "WorkerOperatorError", "execute",
+    "Activator", "Broadcast", "BuildError", "Capability", "CapabilityError", "Captured", "Distribute", "Exchange",
+    "Frontier", "InputCapability", "InputError", "InputHandle", "Notificator", "OperatorBuilder", "OperatorError",
+    "OperatorInfo", "OperatorInput", "OperatorOutput", "Pact", "Pipeline", "ProbeHandle", "ProgressMismatchError",
+    "ProgressOrderError", "Scope", "Stream", "Summary", "TimelyError", "Worker", "WorkerError", "WorkerOperatorError",
+    "batch_gc", "errors", "execute", "routing",
 ]
 
 

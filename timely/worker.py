@@ -8,7 +8,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .comm.allocator import Allocator
+from .errors import BuildError
 from .dataflow.dataflow import Dataflow
+from .dataflow.input import InputHandle
 from .dataflow.scope import Scope
 
 #: CPython's young-generation threshold while a worker runs (its default is 700). A collection
@@ -49,7 +51,7 @@ class Worker:
         self._next_channel = 0
         self._dataflows: list[Dataflow] = []
         self._building: Dataflow | None = None
-        self._open_inputs: list[Any] = []
+        self._open_inputs: list[InputHandle] = []
 
     # -- construction ------------------------------------------------------------------------
     def new_channel(self) -> int:
@@ -57,6 +59,10 @@ class Worker:
         ch = self._next_channel
         self._next_channel += 1
         return ch
+
+    def register_input(self, handle: InputHandle) -> None:
+        """Remember an input so that :meth:`finish` closes it if the job left it open."""
+        self._open_inputs.append(handle)
 
     def allocate(self, channel: int):
         """Allocate ``channel`` on the allocator: ``(pushers by worker, puller)``."""
@@ -66,7 +72,7 @@ class Worker:
     def dataflow(self, name: str | None = None) -> Iterator[Scope]:
         """Build a dataflow in the ``with`` block; it starts running when the block ends."""
         if self._building is not None:
-            raise RuntimeError("dataflows cannot be nested; use scope.iterative() for nested scopes")
+            raise BuildError("dataflows cannot be nested; use scope.iterative() for nested scopes")
         df = Dataflow(self, name or f"dataflow {len(self._dataflows)}")
         self._building = df
         try:

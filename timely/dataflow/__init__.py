@@ -1,13 +1,19 @@
-"""Dataflow construction and execution: scopes, streams, operators, capabilities, inputs, probes."""
-from .capability import Capability, CapabilityError, InputCapability
+"""Dataflow construction and execution: scopes, streams, the operator builder and its handles,
+capabilities, pacts, inputs and probes."""
+from ..errors import CapabilityError, InputError, OperatorError, ProgressMismatchError, ProgressOrderError
+from ..progress.frontier import Frontier
+from .builder import OperatorBuilder, OperatorInfo
+from .capability import Capability, InputCapability
 from .channels import Broadcast, Distribute, Exchange, Pact, Pipeline
-from .dataflow import Dataflow, ProgressMismatchError, ProgressOrderError
-from .input import InputError, InputHandle, LoopHandle, ProbeHandle
-from .operator import Notificator, OperatorBuilder, OperatorError
-from .scope import Captured, OperatorInfo, Scope, Stream
+from .context import Activator
+from .handles import Notificator, OperatorInput, OperatorOutput, Session
+from .input import InputHandle, LoopHandle, ProbeHandle
+from .keyed import Captured
+from .scope import Scope, Stream
 
 __all__ = [
-    "Broadcast", "Capability", "Distribute", "CapabilityError", "Captured", "Dataflow", "Exchange", "InputCapability",
-    "InputError", "InputHandle", "LoopHandle", "Notificator", "OperatorBuilder", "OperatorError",
-    "OperatorInfo", "Pact", "Pipeline", "ProbeHandle", "ProgressMismatchError", "ProgressOrderError", "Scope", "Stream",
+    "Activator", "Broadcast", "Capability", "CapabilityError", "Captured", "Distribute", "Exchange", "Frontier",
+    "InputCapability", "InputError", "InputHandle", "LoopHandle", "Notificator", "OperatorBuilder", "OperatorError",
+    "OperatorInfo", "OperatorInput", "OperatorOutput", "Pact", "Pipeline", "ProbeHandle", "ProgressMismatchError",
+    "ProgressOrderError", "Scope", "Session", "Stream",
 ]

@@ -4,64 +4,72 @@ A :class:`Capability` is counted in the progress protocol (+1 at its output's So
 -1 when dropped). Python's garbage collector must not decide when that happens, so release is
 explicit: :meth:`Capability.drop`, or use the capability as a context manager. A capability that is
 never dropped keeps its time open forever, exactly like a leaked capability in timely.
+
+A capability knows only its operator's index, name and the dataflow's progress batch: it records
+its changes there and nothing else (DESIGN 2.2: they travel in the step's one progress batch).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-from ..progress.timestamp import less_equal
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .operator import OperatorCore
-
-
-class CapabilityError(RuntimeError):
-    """A capability was misused: dropped twice, moved backwards, or used for a foreign output."""
+from ..errors import CapabilityError
+from ..progress.change_batch import ChangeBatch
+from ..progress.reachability import Source
+from ..progress.timestamp import Summary, less_equal
 
 
 class Capability:
-    """Permission to produce data at ``time`` on output ``port`` of an operator."""
+    """Permission to produce data at ``time`` on output ``port`` of operator ``node``."""
 
-    __slots__ = ("time", "_op", "port", "_live")
+    __slots__ = ("time", "port", "node", "_name", "_progress", "_live")
 
-    def __init__(self, op: OperatorCore, port: int, time: Any, counted: bool = True) -> None:
+    def __init__(self, progress: ChangeBatch, node: int, name: str, port: int, time: Any,
+                 counted: bool = True) -> None:
         self.time = time
-        self._op = op
         self.port = port
+        self.node = node  # the operator's index in its dataflow
+        self._name = name
+        self._progress = progress  # the dataflow's progress batch of the current step
         self._live = True
         if counted:
-            op.capability_change(port, time, +1)
+            progress.update((Source(node, port), time), +1)
 
     def _check(self) -> None:
         if not self._live:
-            raise CapabilityError(f"operator '{self._op.name}': capability at {self.time!r} used after drop")
+            raise CapabilityError(f"operator '{self._name}': capability at {self.time!r} used after drop")
+
+    def owned_by(self, progress: ChangeBatch, node: int) -> bool:
+        """True if this capability belongs to operator ``node`` of the dataflow counting in ``progress``."""
+        return self.node == node and self._progress is progress
 
     def delayed(self, time: Any) -> Capability:
         """A new capability for a later (or equal) ``time`` on the same output."""
         self._check()
         if not less_equal(self.time, time):
             raise CapabilityError(
-                f"operator '{self._op.name}': cannot delay a capability at {self.time!r} to the earlier time {time!r}"
+                f"operator '{self._name}': cannot delay a capability at {self.time!r} to the earlier time {time!r}"
             )
-        return Capability(self._op, self.port, time)
+        return Capability(self._progress, self.node, self._name, self.port, time)
 
     def downgrade(self, time: Any) -> None:
         """Move this capability forward to ``time`` (in place)."""
         self._check()
         if not less_equal(self.time, time):
             raise CapabilityError(
-                f"operator '{self._op.name}': cannot downgrade a capability at {self.time!r} to the earlier time {time!r}"
+                f"operator '{self._name}': cannot downgrade a capability at {self.time!r} to the earlier time {time!r}"
             )
         if time != self.time:
-            self._op.capability_change(self.port, time, +1)
-            self._op.capability_change(self.port, self.time, -1)
+            source = Source(self.node, self.port)
+            self._progress.update((source, time), +1)
+            self._progress.update((source, self.time), -1)
             self.time = time
 
     def drop(self) -> None:
         """Release the capability; the output no longer holds ``time`` open."""
         self._check()
         self._live = False
-        self._op.capability_change(self.port, self.time, -1)
+        self._progress.update((Source(self.node, self.port), self.time), -1)
 
     @property
     def live(self) -> bool:
@@ -87,30 +95,36 @@ class InputCapability:
     operator's declared input->output summary.
     """
 
-    __slots__ = ("time", "_op", "_input")
+    __slots__ = ("time", "input", "node", "_name", "_progress", "_summaries")
 
-    def __init__(self, op: OperatorCore, input_port: int, time: Any) -> None:
+    def __init__(self, progress: ChangeBatch, node: int, name: str, input_port: int,
+                 summaries: Sequence[Sequence[Summary]], time: Any) -> None:
         self.time = time
-        self._op = op
-        self._input = input_port
+        self.input = input_port
+        self.node = node
+        self._name = name
+        self._progress = progress
+        self._summaries = summaries  # per output: the summaries from this input to it
+
+    def summaries(self, output: int) -> Sequence[Summary]:
+        """The summaries from this capability's input to ``output`` (empty: not connected)."""
+        return self._summaries[output] if 0 <= output < len(self._summaries) else ()
 
     def delayed(self, time: Any, output: int = 0) -> Capability:
         """A capability at ``time`` on ``output``; ``time`` must be reachable through the summary."""
-        summaries = self._op.summary[self._input][output]
+        summaries = self.summaries(output)
         if not summaries:
-            raise CapabilityError(
-                f"operator '{self._op.name}': input {self._input} is not connected to output {output}"
-            )
+            raise CapabilityError(f"operator '{self._name}': input {self.input} is not connected to output {output}")
         if not any(less_equal(s.results_in(self.time), time) for s in summaries):
             raise CapabilityError(
-                f"operator '{self._op.name}': cannot create a capability at {time!r} from an input "
+                f"operator '{self._name}': cannot create a capability at {time!r} from an input "
                 f"message at {self.time!r} (summaries {list(summaries)})"
             )
-        return Capability(self._op, output, time)
+        return Capability(self._progress, self.node, self._name, output, time)
 
     def retain(self, output: int = 0) -> Capability:
         """A capability at this message's time on ``output``."""
         return self.delayed(self.time, output)
 
     def __repr__(self) -> str:
-        return f"InputCapability(time={self.time!r}, input={self._input})"
+        return f"InputCapability(time={self.time!r}, input={self.input})"

@@ -18,8 +18,6 @@ Key = Callable[[Any], Any] | int | None
 class Pact:
     """How records of an edge are distributed among workers."""
 
-    remote = False  # True when the edge needs an allocator channel
-
     def channel(self, df: Any, target: Any) -> Channel:
         raise NotImplementedError
 
@@ -41,8 +39,6 @@ class Exchange(Pact):
     whole record.
     """
 
-    remote = True
-
     def __init__(self, key: Key) -> None:
         if not (key is None or isinstance(key, int) or callable(key)):
             raise TypeError(f"exchange key must be a field index, a function or None, not {key!r}")
@@ -61,8 +57,6 @@ class Exchange(Pact):
 class Broadcast(Pact):
     """Every record goes to every worker."""
 
-    remote = True
-
     def channel(self, df: Any, target: Any) -> Channel:
         if df.peers == 1:
             return PipelineChannel(target)
@@ -78,8 +72,6 @@ class Distribute(Pact):
     For operators that route by their own rules (for example by a routing table that changes over
     time). The partitioner must put every record in exactly one list.
     """
-
-    remote = True
 
     def __init__(self, partitioner: Callable[[Any, Sequence, int], list]) -> None:
         self.partitioner = partitioner

@@ -7,27 +7,18 @@ whole dataflow. The build phase ends at :meth:`Dataflow.freeze`; the structure i
 from __future__ import annotations
 
 import hashlib
-import heapq
-import time as _time
 from typing import TYPE_CHECKING, Any
 
-from ..progress.change_batch import ChangeBatch
+from ..errors import BuildError, ProgressMismatchError, ProgressOrderError
 from ..progress.reachability import Builder, Location, Source, Target, Tracker
 from ..progress.timestamp import minimum
 from .channels import Pact
+from .context import Context
 from .operator import InputPort, OperatorCore
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..worker import Worker
     from .scope import Stream
-
-
-class ProgressMismatchError(RuntimeError):
-    """Workers built different dataflows (operators and channels must be created in the same order)."""
-
-
-class ProgressOrderError(RuntimeError):
-    """A progress message arrived out of order, twice, or after a gap: the transport broke FIFO."""
 
 
 class Dataflow:
@@ -38,16 +29,12 @@ class Dataflow:
         self.name = name
         self.index = worker.index
         self.peers = worker.peers
+        self.ctx = Context(worker.index, worker.peers)
+        self.progress = self.ctx.progress
         self.operators: list[OperatorCore] = []
         self.edges: list[tuple[Location, Location, str]] = []
-        # Invariant (DESIGN 2.2): every change of one step goes into this one batch, which is sent
-        # whole; it is never split between progress messages.
-        self.progress = ChangeBatch()
         self.tracker: Tracker | None = None
         self.digest = 0
-        self._active: list[int] = []
-        self._active_set: set[int] = set()
-        self._timers: list[tuple[float, int]] = []  # (monotonic deadline, operator index)
         self._pullers: list[tuple[Any, InputPort]] = []
         self._inputs: list[Any] = []  # InputHandles, flushed at each step
         self._unbuilt: set[int] = set()
@@ -61,8 +48,8 @@ class Dataflow:
     def add_operator(self, name: str) -> OperatorCore:
         """Reserve the next operator index."""
         if self.tracker is not None:
-            raise RuntimeError(f"dataflow '{self.name}' is already built: cannot add operator '{name}'")
-        op = OperatorCore(self, len(self.operators), name)
+            raise BuildError(f"dataflow '{self.name}' is already built: cannot add operator '{name}'")
+        op = OperatorCore(self.ctx, len(self.operators), name)
         self.operators.append(op)
         self._unbuilt.add(op.index)
         return op
@@ -81,7 +68,7 @@ class Dataflow:
         """Add an edge from ``stream`` to input ``port`` through ``pact``."""
         src = self.operators[stream.node].outputs[stream.port]
         if src.levels != port.levels:
-            raise ValueError(
+            raise BuildError(
                 f"operator '{port.op.name}': input is in a scope of depth {port.levels}, stream of depth "
                 f"{src.levels} (use enter()/leave())"
             )
@@ -102,10 +89,10 @@ class Dataflow:
         """End the build phase: check the graph, initialise counts and frontiers."""
         for loop in self._loops:
             if not loop.connected:
-                raise RuntimeError(f"dataflow '{self.name}': feedback '{loop.name}' was never connected (connect_loop)")
+                raise BuildError(f"dataflow '{self.name}': feedback '{loop.name}' was never connected (connect_loop)")
         if self._unbuilt:
             names = ", ".join(self.operators[i].name for i in sorted(self._unbuilt))
-            raise RuntimeError(f"dataflow '{self.name}': operators never built: {names}")
+            raise BuildError(f"dataflow '{self.name}': operators never built: {names}")
         builder = Builder()
         for op in self.operators:
             builder.add_node(op.index, len(op.inputs), len(op.outputs), op.summary, op.name)
@@ -122,92 +109,71 @@ class Dataflow:
             for out in op.outputs:
                 tracker.update(Source(op.index, out.port), minimum(out.levels), self.peers)
             for inp in op.inputs:
-                inp.frontier = tracker.implications[Target(op.index, inp.port)]
+                inp.install(tracker.implications[Target(op.index, inp.port)])
         tracker.propagate_all()
         for op in self.operators:
             if op.frontier_interest or op.inputs and any(p.queue for p in op.inputs):
-                self.activate(op.index)
+                op.activate()
 
     # -- run phase ---------------------------------------------------------------------------
-    def activate(self, index: int) -> None:
-        """Schedule operator ``index``."""
-        if index not in self._active_set:
-            self._active_set.add(index)
-            heapq.heappush(self._active, index)
-
-    def activate_after(self, index: int, delay: float) -> None:
-        """Schedule operator ``index`` once ``delay`` seconds have passed."""
-        heapq.heappush(self._timers, (_time.monotonic() + delay, index))
-
     def next_timer(self) -> float | None:
         """Seconds until the next delayed activation (None: no timer pending)."""
-        return max(0.0, self._timers[0][0] - _time.monotonic()) if self._timers else None
+        return self.ctx.activations.next_timer()
 
     def step(self) -> bool:
         """Receive, propagate, schedule active operators, send progress. True if anything happened."""
-        tracker = self.tracker
+        activations = self.ctx.activations
+        operators = self.operators
         did = False
-        if self._timers:
-            now = _time.monotonic()
-            while self._timers and self._timers[0][0] <= now:
-                self.activate(heapq.heappop(self._timers)[1])
+        activations.fire_timers()
         for handle in self._inputs:
             handle.flush()
-        messages = self._progress_puller.drain()
-        if messages:
+        if self._receive_progress():
             did = True
-            for digest, sender, seq, updates in messages:
-                if digest != self.digest:
-                    raise ProgressMismatchError(
-                        f"dataflow '{self.name}': worker {sender} built a different dataflow than worker "
-                        f"{self.index}; every worker must create the same operators in the same order"
-                    )
-                # Invariant (DESIGN 2.3): each worker's batches arrive whole, in order, exactly once.
-                if seq != self._received[sender]:
-                    raise ProgressOrderError(
-                        f"dataflow '{self.name}': worker {self.index} received progress message {seq} from worker "
-                        f"{sender}, expected {self._received[sender]} (lost, duplicated or reordered)"
-                    )
-                self._received[sender] = seq + 1
-                tracker.update_batch(((Location(n, p, s), t), d) for n, p, s, t, d in updates)
-            operators = self.operators
-            for loc, _t, _d in tracker.propagate_all():
+            for loc, _t, _d in self.tracker.propagate_all():  # type: ignore[union-attr]
                 if not loc.source and operators[loc.node].frontier_interest:
-                    self.activate(loc.node)
+                    activations.activate(loc.node)
         for puller, port in self._pullers:
             msg = puller.pull()
             while msg is not None:
                 port.deliver(msg[0], msg[1])
                 msg = puller.pull()
-        # Schedule in index order; operators activated at a larger index run in this pass, those at
-        # a smaller one (loops) in the next step.
-        active, active_set, operators = self._active, self._active_set, self.operators
-        deferred = []
-        last = -1
-        while active:
-            i = heapq.heappop(active)
-            if i <= last:
-                deferred.append(i)
-                continue
-            active_set.discard(i)
-            last = i
+        for i in activations.run_order():
             did = True
             operators[i].schedule()
-        for i in deferred:
-            active_set.discard(i)
-            self.activate(i)
         if not self.progress.is_empty():
             did = True
-            updates = [(l.node, l.port, l.source, t, d) for (l, t), d in self.progress.drain()]
+            updates = [(loc.node, loc.port, loc.source, t, d) for (loc, t), d in self.progress.drain()]
             message = (self.digest, self.index, self._sent, updates)
             self._sent += 1
             for pusher in self._progress_pushers:
                 pusher.push(message)
         return did
 
+    def _receive_progress(self) -> bool:
+        """Apply every progress message received (our own included); True if there was any."""
+        messages = self._progress_puller.drain()
+        tracker = self.tracker
+        assert tracker is not None
+        for digest, sender, seq, updates in messages:
+            if digest != self.digest:
+                raise ProgressMismatchError(
+                    f"dataflow '{self.name}': worker {sender} built a different dataflow than worker "
+                    f"{self.index}; every worker must create the same operators in the same order"
+                )
+            # Invariant (DESIGN 2.3): each worker's batches arrive whole, in order, exactly once.
+            if seq != self._received[sender]:
+                raise ProgressOrderError(
+                    f"dataflow '{self.name}': worker {self.index} received progress message {seq} from worker "
+                    f"{sender}, expected {self._received[sender]} (lost, duplicated or reordered)"
+                )
+            self._received[sender] = seq + 1
+            tracker.update_batch(((Location(n, p, s), t), d) for n, p, s, t, d in updates)
+        return bool(messages)
+
     def busy(self) -> bool:
         """True when operators are waiting to run or progress is waiting to be sent."""
-        return bool(self._active) or not self.progress.is_empty()
+        return bool(self.ctx.activations.active) or not self.progress.is_empty()
 
     def complete(self) -> bool:
         """True when no pointstamp remains anywhere: nothing can happen in this dataflow any more."""
@@ -215,5 +181,5 @@ class Dataflow:
             self.tracker is not None
             and not self.tracker.tracking_anything()
             and self.progress.is_empty()
-            and not self._active
+            and not self.ctx.activations.active
         )

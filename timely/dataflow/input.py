@@ -4,32 +4,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..progress.frontier import MutableAntichain
-from ..progress.timestamp import Summary, less_equal, less_than, minimal
+from ..errors import InputError
+from ..progress.frontier import Frontier
+from ..progress.timestamp import Summary, less_equal
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .builder import OperatorBuilder
     from .capability import Capability
-    from .operator import OperatorCore, OutputPort
-
-
-class InputError(ValueError):
-    """An input handle was misused (time moved backwards, used after close)."""
+    from .handles import OperatorOutput
+    from .operator import InputPort
+    from .scope import Scope, Stream
 
 
 class InputHandle:
-    """Feeds records into a dataflow at the current epoch ``time``.
+    """Feeds records into a dataflow at the current epoch ``time``; ``stream`` carries them.
 
     ``send``/``send_batch`` add records at ``time``; ``advance_to(t)`` promises no more records
     before ``t``; ``close()`` promises no more records at all.
     """
 
-    def __init__(self, op: OperatorCore, cap: Capability) -> None:
-        self._op = op
-        self._out: OutputPort = op.outputs[0]
+    def __init__(self, name: str, output: OperatorOutput, cap: Capability, stream: Stream) -> None:
+        self.name = name
+        self.stream = stream
+        self._out = output
         self._cap: Capability | None = cap
         self._buffer: list = []
         self._closed_at: Any = None
-
     @property
     def time(self) -> Any:
         """The epoch at which records are sent now."""
@@ -42,7 +42,7 @@ class InputHandle:
 
     def _check_open(self) -> None:
         if self._cap is None:
-            raise InputError(f"input '{self._op.name}' is closed")
+            raise InputError(f"input '{self.name}' is closed")
 
     def send(self, record: Any) -> None:
         """Send one record at the current time."""
@@ -62,20 +62,20 @@ class InputHandle:
             self._buffer.extend(records)
             self.flush()
         elif records:
-            self._out.send(self._cap.time, records if type(records) is list else list(records))
+            self._out.give_batch(self._cap, records if type(records) is list else list(records))
 
     def flush(self) -> None:
         """Push buffered records into the dataflow."""
         if self._buffer:
             buf, self._buffer = self._buffer, []
-            self._out.send(self._cap.time, buf)
+            self._out.give_batch(self._cap, buf)
 
     def advance_to(self, time: Any) -> None:
         """Move the input's epoch forward to ``time``; earlier epochs can complete."""
         self._check_open()
         if not less_equal(self._cap.time, time):
             raise InputError(
-                f"input '{self._op.name}': advance_to({time!r}) would move time backwards from {self._cap.time!r}"
+                f"input '{self.name}': advance_to({time!r}) would move time backwards from {self._cap.time!r}"
             )
         self.flush()
         self._cap.downgrade(time)
@@ -94,10 +94,10 @@ class ProbeHandle:
     """Observes the frontier of one or more streams: which times may still appear there."""
 
     def __init__(self) -> None:
-        self._ports: list[Any] = []  # InputPorts; their frontier object is installed at freeze
+        self._ports: list[InputPort] = []  # the probe operators' inputs; frontiers installed at freeze
         self._watchers: list[Any] = []  # activators scheduled whenever the frontier changes
 
-    def _attach(self, port: Any) -> None:
+    def _attach(self, port: InputPort) -> None:
         self._ports.append(port)
 
     def watch(self, activator: Any) -> None:
@@ -109,35 +109,34 @@ class ProbeHandle:
             a.activate()
 
     @property
-    def _frontiers(self) -> list[MutableAntichain]:
-        return [p.frontier for p in self._ports]
-
-    def frontier(self) -> list:
-        """The minimal times that may still appear (empty: the streams are complete)."""
-        return sorted(minimal(t for f in self._frontiers for t in f.frontier))
+    def frontier(self) -> Frontier:
+        """The minimal times that may still appear (a live, read-only view; empty: complete)."""
+        return Frontier([p.antichain for p in self._ports])
 
     def less_than(self, time: Any) -> bool:
         """True while some time strictly before ``time`` may still appear."""
-        return any(less_than(t, time) for f in self._frontiers for t in f.frontier)
+        return any(p.frontier.less_than(time) for p in self._ports)
 
     def less_equal(self, time: Any) -> bool:
         """True while some time at or before ``time`` may still appear."""
-        return any(less_equal(t, time) for f in self._frontiers for t in f.frontier)
+        return any(p.frontier.less_equal(time) for p in self._ports)
 
     def done(self) -> bool:
         """True once no further time may appear."""
-        return all(not f.frontier for f in self._frontiers)
+        return all(p.frontier.is_empty() for p in self._ports)
 
     def __repr__(self) -> str:
-        return f"ProbeHandle(frontier={self.frontier()!r})"
+        return f"ProbeHandle(frontier={self.frontier.elements()!r})"
 
 
 class LoopHandle:
     """The entry of a feedback edge, closed by ``stream.connect_loop(handle)``."""
 
-    def __init__(self, scope: Any, builder: Any, summary: Summary, name: str) -> None:
+    def __init__(self, scope: Scope, builder: OperatorBuilder, output: OperatorOutput, summary: Summary,
+                 name: str) -> None:
         self.scope = scope
         self.builder = builder
+        self.output = output
         self.summary = summary
         self.name = name
         self.connected = False

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .timestamp import less_equal, less_than
+from .timestamp import less_equal, less_than, minimal
 
 
 class Antichain:
@@ -68,11 +68,11 @@ class MutableAntichain:
     cancels); only strictly positive counts contribute to the frontier.
     """
 
-    __slots__ = ("counts", "frontier", "_heap")
+    __slots__ = ("counts", "elements", "_heap")
 
     def __init__(self) -> None:
         self.counts: dict[Any, int] = {}
-        self.frontier: list[Any] = []
+        self.elements: list[Any] = []  # the frontier: minimal times of positive count
         # Integer times are totally ordered: the frontier is the least positive time, found in a
         # min-heap of the times that entered the positive set (entries whose count has since
         # dropped to zero are discarded lazily). A rebuild then costs O(log n), not a sort of every
@@ -83,7 +83,7 @@ class MutableAntichain:
     def update_iter(self, updates: Iterable[tuple[Any, int]]) -> list[tuple[Any, int]]:
         """Apply ``(time, diff)`` updates; return the frontier's changes as ``(time, +1|-1)`` pairs."""
         counts = self.counts
-        frontier = self.frontier
+        frontier = self.elements
         heap = self._heap
         rebuild = False
         for t, d in updates:
@@ -120,7 +120,7 @@ class MutableAntichain:
             return []
         old = set(frontier)
         nset = set(new)
-        self.frontier = new
+        self.elements = new
         return [(t, -1) for t in frontier if t not in nset] + [(t, 1) for t in new if t not in old]
 
     def _least_int(self) -> list[int]:
@@ -136,11 +136,11 @@ class MutableAntichain:
 
     def less_equal(self, t: Any) -> bool:
         """True if some frontier element is ``<= t``."""
-        return any(less_equal(x, t) for x in self.frontier)
+        return any(less_equal(x, t) for x in self.elements)
 
     def less_than(self, t: Any) -> bool:
         """True if some frontier element is ``< t``."""
-        return any(less_than(x, t) for x in self.frontier)
+        return any(less_than(x, t) for x in self.elements)
 
     def count_for(self, t: Any) -> int:
         """The count of exactly ``t``."""
@@ -148,7 +148,59 @@ class MutableAntichain:
 
     def is_empty(self) -> bool:
         """True when the frontier is empty."""
-        return not self.frontier
+        return not self.elements
 
     def __repr__(self) -> str:
-        return f"MutableAntichain(frontier={self.frontier!r})"
+        return f"MutableAntichain(frontier={self.elements!r})"
+
+
+class Frontier:
+    """A read-only view of the times that may still appear somewhere: an input, a probed stream.
+
+    The view is live: it follows the tracker as the dataflow runs (read it between or during steps;
+    copy ``list(frontier)`` to keep a snapshot). Iterating yields its minimal times in ascending
+    order; an empty frontier (``frontier.is_empty()``, ``not frontier``) means no further time can
+    appear. One view may cover several antichains (a probe on several streams): it is then their
+    union's minimal elements.
+    """
+
+    __slots__ = ("_antichains",)
+
+    def __init__(self, antichains: list[MutableAntichain]) -> None:
+        self._antichains = antichains  # shared, not copied: the view follows them
+
+    def less_than(self, t: Any) -> bool:
+        """True while some time strictly before ``t`` may still appear."""
+        return any(less_than(x, t) for a in self._antichains for x in a.elements)
+
+    def less_equal(self, t: Any) -> bool:
+        """True while some time at or before ``t`` may still appear."""
+        return any(less_equal(x, t) for a in self._antichains for x in a.elements)
+
+    def is_empty(self) -> bool:
+        """True once no further time may appear."""
+        return all(not a.elements for a in self._antichains)
+
+    def elements(self) -> list[Any]:
+        """The minimal times that may still appear, ascending (a new list)."""
+        if len(self._antichains) == 1:
+            return sorted(self._antichains[0].elements)
+        return sorted(minimal(x for a in self._antichains for x in a.elements))
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.elements())
+
+    def __len__(self) -> int:
+        return len(self.elements())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Frontier):
+            return self.elements() == other.elements()
+        if isinstance(other, (list, tuple)):
+            return self.elements() == sorted(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # live and mutable: not hashable
+
+    def __repr__(self) -> str:
+        return f"Frontier({self.elements()!r})"

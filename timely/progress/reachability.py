@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from ..errors import CycleError
 from .change_batch import ChangeBatch
 from .frontier import Antichain, MutableAntichain
 from .timestamp import Summary, _coords
@@ -35,10 +36,6 @@ def Source(node: int, port: int) -> Location:
 def Target(node: int, port: int) -> Location:
     """The location of input ``port`` of operator ``node``."""
     return Location(node, port, False)
-
-
-class CycleError(ValueError):
-    """A dataflow cycle does not strictly advance time (an identity cycle)."""
 
 
 Connectivity = Sequence[Sequence[Iterable[Summary]]]  # [input][output] -> summaries (antichain)
@@ -216,7 +213,7 @@ class Tracker:
 
     def frontier(self, location: Location) -> list:
         """The implied frontier at ``location`` (as of the last :meth:`propagate_all`)."""
-        return self.implications[location].frontier
+        return self.implications[location].elements
 
     def tracking_anything(self) -> bool:
         """True while any pointstamp has a positive frontier count or updates are buffered."""

@@ -1,0 +1,102 @@
+"""What the operators of one dataflow share: the step's progress batch and the activations.
+
+Operators and capabilities hold this small context instead of the dataflow or the worker (as
+timely-dataflow's operators hold a shared progress batch and an activator): they can record
+progress and ask to be scheduled, and know nothing else of the layers above them.
+"""
+from __future__ import annotations
+
+import heapq
+import time as _time
+from collections.abc import Iterator
+
+from ..progress.change_batch import ChangeBatch
+
+
+class Activations:
+    """The operators scheduled to run: a min-heap of operator indices, plus delayed activations."""
+
+    __slots__ = ("active", "_active_set", "_timers")
+
+    def __init__(self) -> None:
+        self.active: list[int] = []  # heap of operator indices
+        self._active_set: set[int] = set()
+        self._timers: list[tuple[float, int]] = []  # heap of (monotonic deadline, operator index)
+
+    def activate(self, index: int) -> None:
+        """Schedule operator ``index`` (once, however often it is asked)."""
+        if index not in self._active_set:
+            self._active_set.add(index)
+            heapq.heappush(self.active, index)
+
+    def activate_after(self, index: int, delay: float) -> None:
+        """Schedule operator ``index`` once ``delay`` seconds have passed."""
+        heapq.heappush(self._timers, (_time.monotonic() + delay, index))
+
+    def fire_timers(self) -> None:
+        """Schedule every operator whose delay has passed."""
+        timers = self._timers
+        if timers:
+            now = _time.monotonic()
+            while timers and timers[0][0] <= now:
+                self.activate(heapq.heappop(timers)[1])
+
+    def next_timer(self) -> float | None:
+        """Seconds until the next delayed activation (None: no timer pending)."""
+        return max(0.0, self._timers[0][0] - _time.monotonic()) if self._timers else None
+
+    def run_order(self) -> Iterator[int]:
+        """Yield the operators to run in this pass, in index order, taking each off the schedule.
+
+        An operator activated while the pass runs joins it at a larger index than the last one run
+        (data flows forward); at a smaller or equal one (a loop) it stays scheduled for the next step.
+        """
+        active, active_set = self.active, self._active_set
+        deferred = []
+        last = -1
+        while active:
+            i = heapq.heappop(active)
+            if i <= last:
+                deferred.append(i)  # still in the set: runs next step, not queued twice
+                continue
+            active_set.discard(i)
+            last = i
+            yield i
+        for i in deferred:
+            heapq.heappush(active, i)
+
+
+class Activator:
+    """Schedules one operator: ``activate()`` in this or the next step, ``activate_after(s)`` later."""
+
+    __slots__ = ("_activations", "index")
+
+    def __init__(self, activations: Activations, index: int) -> None:
+        self._activations = activations
+        self.index = index
+
+    def activate(self) -> None:
+        """Schedule the operator in the current or the next step."""
+        self._activations.activate(self.index)
+
+    def activate_after(self, delay: float) -> None:
+        """Schedule the operator once ``delay`` seconds have passed (the worker parks until then)."""
+        self._activations.activate_after(self.index, delay)
+
+    def __repr__(self) -> str:
+        return f"Activator(operator={self.index})"
+
+
+class Context:
+    """One dataflow's shared state for its operators: worker ``index`` of ``peers``, the progress
+    batch of the current step, and the activations."""
+
+    __slots__ = ("index", "peers", "progress", "activations")
+
+    def __init__(self, index: int, peers: int) -> None:
+        self.index = index
+        self.peers = peers
+        # Invariant (DESIGN 2.2): every change of one step goes into this one batch, which is sent
+        # whole; it is never split between progress messages.
+        self.progress = ChangeBatch()
+        self.activations = Activations()

@@ -1,0 +1,182 @@
+"""The handles an operator's logic works with: read an input, write an output, await times.
+
+``for cap, batch in input`` drains the batches queued at an input (each with an
+:class:`InputCapability`); ``output.session(cap).give(x)`` / ``output.give_batch(cap, xs)`` send
+at a capability's time; a :class:`Notificator` delivers requested times once the inputs' frontiers
+have passed them. Logic is invoked with batches, never one record per call.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..errors import CapabilityError
+from ..progress.frontier import Frontier
+from ..progress.timestamp import Summary
+from .capability import Capability, InputCapability
+from .operator import InputPort, OutputPort
+
+
+class OperatorInput:
+    """One input of an operator: iterate it for ``(capability, batch)`` pairs; ``frontier`` tells
+    which times may still arrive."""
+
+    __slots__ = ("_port",)
+
+    def __init__(self, port: InputPort) -> None:
+        self._port = port
+
+    @property
+    def port(self) -> int:
+        """This input's number on its operator."""
+        return self._port.port
+
+    def __iter__(self) -> Iterator[tuple[InputCapability, Sequence]]:
+        port = self._port
+        op = port.op
+        progress = op.ctx.progress
+        queue = port.queue
+        summaries = op.summary[port.port]
+        while queue:
+            time, batch = queue.popleft()
+            op.consumed(port.port, time, len(batch))
+            yield InputCapability(progress, op.index, op.name, port.port, summaries, time), batch
+
+    @property
+    def frontier(self) -> Frontier:
+        """The times this input may still receive (a live, read-only view)."""
+        return self._port.frontier
+
+
+class Session:
+    """Buffers records given at one capability's time; flushed when the invocation ends."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self, buffer: list) -> None:
+        self._buffer = buffer
+
+    def give(self, record: Any) -> None:
+        """Send one record."""
+        self._buffer.append(record)
+
+    def give_batch(self, records: Sequence) -> None:
+        """Send many records."""
+        self._buffer.extend(records)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class OperatorOutput:
+    """One output of an operator: ``output.session(cap).give(x)`` or ``output.give_batch(cap, xs)``.
+
+    Records given through a session are buffered per time and sent when the operator's invocation
+    ends (or at :meth:`flush`).
+    """
+
+    __slots__ = ("_port", "_buffers")
+
+    def __init__(self, port: OutputPort) -> None:
+        self._port = port
+        self._buffers: dict[Any, list] = {}
+
+    @property
+    def port(self) -> int:
+        """This output's number on its operator."""
+        return self._port.port
+
+    def _time_of(self, cap: Capability | InputCapability) -> Any:
+        port = self._port
+        op = port.op
+        if isinstance(cap, Capability):
+            if not cap.live:
+                raise CapabilityError(f"operator '{op.name}': sending with a dropped capability at {cap.time!r}")
+            if not cap.owned_by(op.ctx.progress, op.index):
+                raise CapabilityError(f"operator '{op.name}': capability belongs to another operator ({cap!r})")
+            if cap.port != port.port:
+                raise CapabilityError(
+                    f"operator '{op.name}': capability for output {cap.port} used on output {port.port}"
+                )
+            return cap.time
+        if isinstance(cap, InputCapability):
+            if Summary.identity(port.levels) not in cap.summaries(port.port):
+                raise CapabilityError(
+                    f"operator '{op.name}': an input capability can send only through an identity summary; "
+                    "use cap.delayed(time, output) or cap.retain(output)"
+                )
+            return cap.time
+        raise CapabilityError(f"operator '{op.name}': sending needs a capability, got {cap!r}")
+
+    def session(self, cap: Capability | InputCapability) -> Session:
+        """A session sending at ``cap.time``."""
+        time = self._time_of(cap)
+        buf = self._buffers.get(time)
+        if buf is None:
+            buf = self._buffers[time] = []
+        return Session(buf)
+
+    def give(self, cap: Capability | InputCapability, record: Any) -> None:
+        """Send one record at ``cap.time``."""
+        self.session(cap).give(record)
+
+    def give_batch(self, cap: Capability | InputCapability, records: Sequence) -> None:
+        """Send a batch at ``cap.time`` (the list is sent as is when nothing else is buffered)."""
+        time = self._time_of(cap)
+        buf = self._buffers.get(time)
+        if buf is None:
+            self._port.send(time, records)
+        else:
+            buf.extend(records)
+
+    def flush(self) -> None:
+        """Send every buffered record."""
+        if self._buffers:
+            buffers, self._buffers = self._buffers, {}
+            for time, buf in buffers.items():
+                self._port.send(time, buf)
+
+
+class Notificator:
+    """Delivers requested times once every input frontier has passed them, in time order.
+
+    ``notify_at(cap)`` takes ownership of a capability; iterating yields the capabilities whose time
+    is complete, each dropped after its loop body unless the body keeps it alive by delaying it.
+    """
+
+    def __init__(self, frontiers: Sequence[Frontier]) -> None:
+        self._frontiers = list(frontiers)
+        self._pending: list[Capability] = []
+
+    def notify_at(self, cap: Capability) -> None:
+        """Ask to be notified when ``cap.time`` is complete; the notificator now owns ``cap``."""
+        if not isinstance(cap, Capability):
+            raise CapabilityError("notify_at needs a Capability (use input_cap.retain())")
+        self._pending.append(cap)
+
+    def _complete(self, time: Any) -> bool:
+        return not any(f.less_equal(time) for f in self._frontiers)
+
+    def available(self) -> bool:
+        """True when some requested time is complete."""
+        return any(self._complete(c.time) for c in self._pending)
+
+    def __iter__(self) -> Iterator[Capability]:
+        while True:
+            ready = [c for c in self._pending if self._complete(c.time)]
+            if not ready:
+                return
+            self._pending = [c for c in self._pending if not self._complete(c.time)]
+            ready.sort(key=lambda c: c.time)
+            for i, cap in enumerate(ready):
+                if i and cap.time == ready[i - 1].time:
+                    cap.drop()  # duplicate request for the same time: deliver once
+                    continue
+                try:
+                    yield cap
+                finally:
+                    if cap.live:
+                        cap.drop()

@@ -1,0 +1,86 @@
+"""Keyed aggregations per time (``count_by_key``, ``reduce_by_key``) and captured output."""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from operator import itemgetter
+from typing import Any
+
+from .channels import Key
+from .handles import Notificator, OperatorInput, OperatorOutput
+
+NotifyLogic = Callable[[OperatorInput, OperatorOutput, Notificator], None]
+
+
+def key_getter(key: Key) -> Callable[[Any], Any] | None:
+    """A function of the record for ``key`` (field index or function); ``None``: the whole record."""
+    if key is None:
+        return None
+    if isinstance(key, int):
+        return itemgetter(key)
+    return key
+
+
+def count_logic(key: Key) -> NotifyLogic:
+    """Notify logic emitting ``(key, count)`` per key once each time is complete."""
+    getter = key_getter(key)
+    counts: dict[Any, Counter] = defaultdict(Counter)
+
+    def logic(inp: OperatorInput, out: OperatorOutput, notificator: Notificator) -> None:
+        for cap, batch in inp:
+            if cap.time not in counts:
+                notificator.notify_at(cap.retain())
+            counts[cap.time].update(batch if getter is None else map(getter, batch))
+        for cap in notificator:
+            out.give_batch(cap, list(counts.pop(cap.time).items()))
+
+    return logic
+
+
+def reduce_logic(reduce: Callable[[Any, Any], Any]) -> NotifyLogic:
+    """Notify logic folding the values of ``(key, value)`` pairs per key, emitted once each time is complete."""
+    state: dict[Any, dict] = {}
+
+    def logic(inp: OperatorInput, out: OperatorOutput, notificator: Notificator) -> None:
+        for cap, batch in inp:
+            acc = state.get(cap.time)
+            if acc is None:
+                acc = state[cap.time] = {}
+                notificator.notify_at(cap.retain())
+            for k, v in batch:
+                acc[k] = reduce(acc[k], v) if k in acc else v
+        for cap in notificator:
+            out.give_batch(cap, list(state.pop(cap.time).items()))
+
+    return logic
+
+
+class Captured:
+    """The ``(time, records)`` a worker saw on a captured stream."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[Any, list]] = []
+
+    def take(self, inp: OperatorInput) -> None:
+        """Sink logic: keep every batch of ``inp``."""
+        for cap, batch in inp:
+            self.batches.append((cap.time, list(batch)))
+
+    def extract(self) -> list[tuple[Any, list]]:
+        """Records grouped by time, times ascending, records sorted within a time when possible."""
+        by_time: dict[Any, list] = defaultdict(list)
+        for t, batch in self.batches:
+            by_time[t].extend(batch)
+        out = []
+        for t in sorted(by_time):
+            recs = by_time[t]
+            try:
+                recs = sorted(recs)
+            except TypeError:
+                pass
+            out.append((t, recs))
+        return out
+
+    def records(self) -> list:
+        """Every record, regardless of time."""
+        return [r for _, b in self.batches for r in b]

@@ -1,0 +1,51 @@
+"""Every error the engine raises on purpose derives from :class:`TimelyError`.
+
+``except timely.TimelyError`` catches what the engine reports (a misused capability or input, a
+failed operator, workers that disagree, a lost peer); anything else escaping ``timely.execute`` is
+a bug. Errors keep a second, conventional base where one fits (``InputError`` is a ``ValueError``),
+so code written against the builtin classes still works. This module imports nothing: every layer
+may raise its errors.
+"""
+from __future__ import annotations
+
+import traceback
+
+
+class TimelyError(Exception):
+    """Base class of the errors the engine raises on purpose."""
+
+
+class CapabilityError(TimelyError, RuntimeError):
+    """A capability was misused: dropped twice, moved backwards, or used for a foreign output."""
+
+
+class InputError(TimelyError, ValueError):
+    """An input handle was misused (time moved backwards, used after close)."""
+
+
+class CycleError(TimelyError, ValueError):
+    """A dataflow cycle does not strictly advance time (an identity cycle)."""
+
+
+class BuildError(TimelyError, ValueError):
+    """A dataflow was built wrongly: an operator or feedback left incomplete, a stream used in the
+    wrong scope, an operator added after the build phase ended."""
+
+
+class ProgressMismatchError(TimelyError, RuntimeError):
+    """Workers built different dataflows (operators and channels must be created in the same order)."""
+
+
+class ProgressOrderError(TimelyError, RuntimeError):
+    """A progress message arrived out of order, twice, or after a gap: the transport broke FIFO."""
+
+
+class OperatorError(TimelyError, RuntimeError):
+    """User code inside an operator raised: names the operator and the worker, keeps the traceback."""
+
+    def __init__(self, operator: str, worker: int, cause: BaseException) -> None:
+        self.operator = operator
+        self.worker = worker
+        self.cause = cause
+        tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+        super().__init__(f"worker {worker}: operator '{operator}' failed: {cause!r}\n{tb}")
