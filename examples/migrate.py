@@ -19,14 +19,17 @@ import timely
 
 KEYS = 5_000
 PER_EPOCH = 2_000
+K = 6  # 2^6 = 64 bins
 
 
 def records(epoch: int, worker: int) -> list[tuple[int, int]]:
+    """The ``(key, 1)`` records ``worker`` sends in ``epoch`` (deterministic, so any worker can recount them)."""
     rnd = random.Random(epoch * 1000 + worker)
     return [(rnd.randrange(KEYS), 1) for _ in range(PER_EPOCH)]
 
 
-def main(worker: timely.Worker):
+def main(worker: timely.Worker) -> int:
+    """One worker: count keys while worker 0 migrates bins; check the state; return the keys held."""
     epochs = int(worker.args[0]) if worker.args else 40
     strategy = worker.args[1] if len(worker.args) > 1 else "batched"
     endpoint = worker.args[2] if len(worker.args) > 2 else None
@@ -37,7 +40,7 @@ def main(worker: timely.Worker):
 
     with worker.dataflow() as scope:
         data = scope.new_input()
-        control = megaphone.ControlInput(scope, bins=6)
+        control = megaphone.ControlInput(scope, k=K)
         counts = megaphone.state_machine(data.stream, control, 0, fold)
 
     controller = None
@@ -73,20 +76,20 @@ def main(worker: timely.Worker):
     control.close()
     worker.step_while(lambda: not counts.probe.done())
 
-    expected = Counter()
+    expected: Counter[int] = Counter()
     for epoch in range(epochs):
         for w in range(worker.peers):
             for key, value in records(epoch, w):
                 expected[key] += value
     # The state this worker holds now: exactly the sequential counts of the keys of its bins.
     owned = set(counts.owned_bins())
-    bins = megaphone.bins_of(list(expected), None, 6)
-    mine = {k: c for k, c, b in zip(expected, expected.values(), bins) if b in owned}
+    bins = megaphone.bins_of(list(expected), None, K)
+    mine = {key: c for key, c, b in zip(expected, expected.values(), bins) if b in owned}
     state = counts.state()
-    bad = [(k, state.get(k), c) for k, c in mine.items() if state.get(k) != c]
+    bad = [(key, state.get(key), c) for key, c in mine.items() if state.get(key) != c]
     assert not bad and len(state) == len(mine), (
         f"worker {worker.index}: state differs from the sequential count: {len(bad)} keys, e.g. {bad[:5]}")
-    print(f"worker {worker.index}: {len(mine)} keys, counts match; owns {len(counts.owned_bins())} of 64 bins; "
+    print(f"worker {worker.index}: {len(mine)} keys, counts match; owns {len(counts.owned_bins())} of {1 << K} bins; "
           f"routing table {''.join(map(str, counts.routing_table()))}", flush=True)
     return len(mine)
 

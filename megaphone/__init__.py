@@ -6,13 +6,18 @@ dataflow runs (Hoffmann et al., "Megaphone", PVLDB 12(9), 2019). See DESIGN.md s
 """
 from timely.routing import bins_of, hash64
 
-from .control import ControlError, ControlInput, apply_updates, check_update, default_table
-from .controller import ControlEndpoint, Controller, RequestError, StepEvent
+from .control import ControlError, ControlInput, default_table
+from .controller import Controller, StepEvent
+from .endpoint import ControlEndpoint, EndpointError, RequestError
 from .operators import BinNotificator, MegaphoneError, Migratable, binary, state_machine, unary
-from .plan import STRATEGIES, balanced, check_table, moved_bins, plan, skewed
+from .plan import STRATEGIES, plan
+from .table import TableError, balanced, moved_bins, skewed, validate_table, validate_update
 
+# ControlError and default_table: the former names of TableError and balanced, kept while README.md
+# and bench/migration.py use them.
 __all__ = [
     "STRATEGIES", "BinNotificator", "ControlEndpoint", "ControlError", "ControlInput", "Controller",
-    "MegaphoneError", "Migratable", "RequestError", "StepEvent", "apply_updates", "balanced", "binary", "bins_of", "hash64",
-    "check_table", "check_update", "default_table", "moved_bins", "plan", "skewed", "state_machine", "unary",
+    "EndpointError", "MegaphoneError", "Migratable", "RequestError", "StepEvent", "TableError", "balanced", "binary",
+    "bins_of", "default_table", "hash64", "moved_bins", "plan", "skewed", "state_machine", "unary", "validate_table",
+    "validate_update",
 ]

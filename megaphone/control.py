@@ -3,80 +3,41 @@
 A configuration update at time ``t`` says: from ``t`` on, bin ``b`` lives on worker ``w``
 (DESIGN.md section 5.1). Updates are ordinary records of a timely input, broadcast to every worker by
 the migratable operators, so the progress protocol orders migrations with the data: no locks, no
-pause, no side channel.
-
-Records on the control stream:
-
-* ``("move", bin, worker)``: move one bin;
-* ``("table", (w_0, ..., w_{B-1}))``: install a whole routing table (one worker per bin).
+pause, no side channel. The records and their validation are those of :mod:`megaphone.table`.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import timely
 
+from .table import TableError, apply, balanced, move_updates, validate_k, validate_update
 
-class ControlError(ValueError):
-    """A configuration update that cannot be applied (unknown worker or bin, malformed table)."""
-
-
-def default_table(bins: int, peers: int) -> tuple[int, ...]:
-    """The initial routing table: bins dealt round robin to workers (bin ``b`` on ``b % peers``)."""
-    return tuple(b % peers for b in range(bins))
-
-
-def check_update(update: Any, bins: int, peers: int) -> None:
-    """Raise :class:`ControlError` unless ``update`` is a valid control record."""
-    if not isinstance(update, (tuple, list)) or not update:
-        raise ControlError(f"control record {update!r} is not a ('move', bin, worker) or ('table', map) tuple")
-    kind = update[0]
-    if kind == "move":
-        if len(update) != 3:
-            raise ControlError(f"control record {update!r}: expected ('move', bin, worker)")
-        _, b, w = update
-        if not (isinstance(b, int) and 0 <= b < bins):
-            raise ControlError(f"control record {update!r}: bin {b!r} does not exist (there are {bins} bins)")
-        if not (isinstance(w, int) and 0 <= w < peers):
-            raise ControlError(f"control record {update!r}: worker {w!r} does not exist (there are {peers} workers)")
-    elif kind == "table":
-        if len(update) != 2 or not isinstance(update[1], (tuple, list)):
-            raise ControlError(f"control record {update!r:.200}: expected ('table', (worker per bin...))")
-        table = update[1]
-        if len(table) != bins:
-            raise ControlError(f"routing table has {len(table)} entries, expected one per bin ({bins})")
-        for b, w in enumerate(table):
-            if not (isinstance(w, int) and 0 <= w < peers):
-                raise ControlError(f"routing table maps bin {b} to worker {w!r}, which does not exist ({peers} workers)")
-    else:
-        raise ControlError(f"control record {update!r:.200}: unknown kind {kind!r} (expected 'move' or 'table')")
-
-
-def apply_updates(table: Sequence[int], updates: Sequence[Any]) -> tuple[int, ...]:
-    """The routing table after applying ``updates`` in order to ``table``."""
-    new = list(table)
-    for u in updates:
-        if u[0] == "move":
-            new[u[1]] = u[2]
-        else:
-            new = list(u[1])
-    return tuple(new)
+# The names megaphone.operators imports from here, each the table module's function or class of the
+# same behaviour (to go once operators.py imports megaphone.table itself).
+ControlError = TableError
+check_update = validate_update
+apply_updates = apply
+default_table = balanced
 
 
 class ControlInput:
-    """A validating wrapper around the control input handle.
+    """A validating wrapper around the control input handle of ``2**k`` bins.
 
     Every worker creates one (and advances it in step with its data input); usually only one worker
-    (worker 0) sends updates. Invalid updates raise :class:`ControlError` before anything enters
-    the dataflow, so a bad request never damages running state.
+    (worker 0) sends updates. Invalid updates raise :class:`~megaphone.table.TableError` before
+    anything enters the dataflow, so a bad request never damages running state.
     """
 
-    def __init__(self, scope: timely.Scope, bins: int = 8, name: str = "Control") -> None:
-        if not 0 <= bins <= 16:
-            raise ValueError(f"bins is the exponent k of 2^k bins, between 0 and 16, not {bins}")
-        self.k = bins
-        self.bins = 1 << bins
+    def __init__(self, scope: timely.Scope, k: int = 8, name: str = "Control", *, bins: int | None = None) -> None:
+        if bins is not None:  # the old spelling of k, until its callers (nexmark, bench) move to k
+            warnings.warn("ControlInput(bins=...) is deprecated: the exponent is spelled k", DeprecationWarning,
+                          stacklevel=2)
+            k = bins
+        self.k = validate_k(k)
+        self.nbins = 1 << k
         self.peers = scope.peers
         self.handle = scope.new_input(name)
         self.stream = self.handle.stream
@@ -86,23 +47,26 @@ class ControlInput:
         """The control input's current time."""
         return self.handle.time
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called: no more updates can be sent."""
+        return bool(self.handle.closed)
+
     def move(self, bin: int, worker: int) -> None:
         """From the current time on, ``bin`` lives on ``worker``."""
-        u = ("move", bin, worker)
-        check_update(u, self.bins, self.peers)
-        self.handle.send(u)
+        self.moves({bin: worker})
 
     def moves(self, assignment: Mapping[int, int]) -> None:
         """Several moves at the current time (``{bin: worker}``), validated together first."""
-        updates = [("move", b, w) for b, w in sorted(assignment.items())]
+        updates = move_updates(assignment)
         for u in updates:
-            check_update(u, self.bins, self.peers)
+            validate_update(u, self.nbins, self.peers)
         self.handle.send_batch(updates)
 
     def install(self, table: Sequence[int]) -> None:
         """From the current time on, use the routing ``table`` (one worker per bin)."""
         u = ("table", tuple(table))
-        check_update(u, self.bins, self.peers)
+        validate_update(u, self.nbins, self.peers)
         self.handle.send(u)
 
     def advance_to(self, time: Any) -> None:

@@ -37,53 +37,30 @@ from collections.abc import Sequence
 import networkx as nx
 from networkx.algorithms.bipartite import hopcroft_karp_matching
 
+from .table import balanced, moved_bins, skewed, validate_table
+
+# balanced and skewed are re-exported for nexmark/driver.py until it imports them from megaphone.table.
+__all__ = ["STRATEGIES", "Step", "balanced", "plan", "skewed"]
+
 STRATEGIES = ("all_at_once", "fluid", "batched")
 
-Table = Sequence[int]
-Step = dict[int, int]
+Step = dict[int, int]  # {bin: worker}: moves issued together at one control time
 
 
-def check_table(table: Table, what: str = "routing", peers: int | None = None) -> None:
-    """Raise :class:`ValueError` unless every entry of ``table`` is a worker index (non-negative,
-    and below ``peers`` if given); ``what`` names the table in the message."""
-    for b, w in enumerate(table):
-        if isinstance(w, bool) or not isinstance(w, int):
-            raise ValueError(f"{what} table maps bin {b} to {w!r}, which is not a worker index")
-        if w < 0:
-            raise ValueError(f"{what} table maps bin {b} to worker {w}: workers cannot be negative")
-        if peers is not None and w >= peers:
-            raise ValueError(f"{what} table maps bin {b} to worker {w}, which does not exist ({peers} workers)")
-
-
-def _check_pair(current: Table, target: Table, peers: int | None) -> None:
-    if len(current) != len(target):
-        raise ValueError(
-            f"current and target tables have different lengths ({len(current)} and {len(target)} bins)"
-        )
-    check_table(current, "current", peers)
-    check_table(target, "target", peers)
-
-
-def moved_bins(current: Table, target: Table) -> list[int]:
-    """The bins whose worker differs between ``current`` and ``target``, ascending."""
-    if len(current) != len(target):
-        raise ValueError(
-            f"current and target tables have different lengths ({len(current)} and {len(target)} bins)"
-        )
-    return [b for b, (c, t) in enumerate(zip(current, target)) if c != t]
-
-
-def plan(current: Table, target: Table, strategy: str = "batched", peers: int | None = None) -> list[Step]:
+def plan(current: Sequence[int], target: Sequence[int], strategy: str = "batched",
+         peers: int | None = None) -> list[Step]:
     """The steps (``{bin: worker}`` dicts) that turn routing table ``current`` into ``target``.
 
     Only bins whose worker changes move, each exactly once. ``strategy`` is ``"all_at_once"``,
     ``"fluid"`` or ``"batched"`` (see the module documentation). ``peers``, if given, is the number
     of workers (every worker in both tables must be below it). Raises :class:`ValueError` for an
-    unknown strategy, tables of different lengths or invalid workers.
+    unknown strategy, :class:`~megaphone.table.TableError` for tables of different lengths or
+    workers that do not exist.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown migration strategy {strategy!r} (expected one of {', '.join(STRATEGIES)})")
-    _check_pair(current, target, peers)
+    current = validate_table(current, None, peers, "current")
+    target = validate_table(target, len(current), peers, "target")
     changed = moved_bins(current, target)
     if not changed:
         return []
@@ -94,7 +71,7 @@ def plan(current: Table, target: Table, strategy: str = "batched", peers: int | 
     return _batched(current, target, changed)
 
 
-def _batched(current: Table, target: Table, changed: list[int]) -> list[Step]:
+def _batched(current: Sequence[int], target: Sequence[int], changed: list[int]) -> list[Step]:
     # Outstanding moves per (sender, receiver) pair, in bin order.
     real: dict[tuple[int, int], deque[int]] = defaultdict(deque)
     for b in changed:
@@ -127,11 +104,11 @@ def _batched(current: Table, target: Table, changed: list[int]) -> list[Step]:
         if r_def[0][1] == 0:
             r_def.popleft()
             continue
-        k = min(s_def[0][1], r_def[0][1])
+        pad = min(s_def[0][1], r_def[0][1])
         e = (s_def[0][0], r_def[0][0])
-        mult[e] = mult.get(e, 0) + k
-        s_def[0][1] -= k
-        r_def[0][1] -= k
+        mult[e] = mult.get(e, 0) + pad
+        s_def[0][1] -= pad
+        r_def[0][1] -= pad
 
     steps: list[Step] = []
     remaining = degree
@@ -147,46 +124,12 @@ def _batched(current: Table, target: Table, changed: list[int]) -> list[Step]:
             step: Step = {}
             for e in edges:
                 (_, s), (rk, r) = e
-                bins = real.get((s, r)) if e[0][0] == "s" and rk == "r" else None
-                if bins:
-                    step[bins.popleft()] = r
+                pending = real.get((s, r)) if e[0][0] == "s" and rk == "r" else None  # None: a dummy edge
+                if pending:
+                    step[pending.popleft()] = r
             if step:
                 steps.append(step)
         for e in edges:
             mult[e] -= repeat
         remaining -= repeat
     return steps
-
-
-def balanced(bins: int, peers: int) -> tuple[int, ...]:
-    """The round-robin table of ``bins`` bins (a count, not the exponent k) over ``peers`` workers."""
-    if peers < 1:
-        raise ValueError(f"peers must be at least 1, not {peers}")
-    if bins < 0:
-        raise ValueError(f"bins cannot be negative ({bins})")
-    return tuple(b % peers for b in range(bins))
-
-
-def skewed(current: Table, fraction: float = 0.5, peers: int | None = None) -> tuple[int, ...]:
-    """A skewed copy of ``current``: every odd worker ``2i+1`` gives the first ``fraction`` of its
-    bins (in bin order) to worker ``2i``.
-
-    Half of the workers give away half of their bins (by default) to the other half: from a
-    round-robin table this is the paper's ``uniform`` -> ``uniform_skew`` pattern, moving a quarter
-    of all bins, each donor to its own receiver (so a batched plan needs as many steps as one donor
-    gives bins). ``peers`` defaults to one more than the largest worker in ``current``.
-    """
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"fraction must be between 0 and 1, not {fraction}")
-    check_table(current, "current", peers)
-    if peers is None:
-        peers = max(current, default=-1) + 1
-    owned: dict[int, list[int]] = defaultdict(list)
-    for b, w in enumerate(current):
-        owned[w].append(b)
-    new = list(current)
-    for donor in range(1, peers, 2):
-        bins = owned.get(donor, [])
-        for b in bins[: int(round(len(bins) * fraction))]:
-            new[b] = donor - 1
-    return tuple(new)

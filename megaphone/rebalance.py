@@ -1,6 +1,6 @@
 """Rebalance a running Megaphone job from outside: ``python -m megaphone.rebalance``.
 
-Talks to a :class:`megaphone.controller.ControlEndpoint`::
+Talks to a :class:`megaphone.endpoint.ControlEndpoint`::
 
     python -m megaphone.rebalance --endpoint tcp://127.0.0.1:5555 --balanced
     python -m megaphone.rebalance --endpoint tcp://127.0.0.1:5555 --table 0,1,0,1 --strategy fluid
@@ -11,7 +11,7 @@ After a rebalance request it polls the job and prints one line per completed ste
 duration) until the migration completes; with tqdm installed it also shows a progress bar.
 
 Exit status: 0 on success, 1 if the job rejected the request, 2 for bad arguments, 3 if the
-endpoint did not answer within ``--timeout`` seconds.
+endpoint could not be reached or did not answer within ``--timeout`` seconds.
 """
 from __future__ import annotations
 
@@ -21,47 +21,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
-import zmq
+from .endpoint import EndpointError, RequestError, call
+from .plan import STRATEGIES
 
-EXIT_REJECTED = 1
-EXIT_TIMEOUT = 3
-
-
-class EndpointTimeout(Exception):
-    """The control endpoint did not answer in time."""
-
-
-class Rejected(Exception):
-    """The job answered with an error."""
-
-
-def request(endpoint: str, req: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
-    """Send one msgpack request to ``endpoint``; return the decoded reply.
-
-    Uses a fresh REQ socket per request (closed without lingering), so a job that does not answer
-    leaves nothing behind. Raises :class:`EndpointTimeout` after ``timeout`` seconds.
-    """
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(msgpack.packb(req, use_bin_type=True))
-        if not sock.poll(int(timeout * 1000), zmq.POLLIN):
-            raise EndpointTimeout(f"control endpoint {endpoint} did not answer within {timeout:g} s")
-        return msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
-    finally:
-        sock.close(0)
-
-
-def call(endpoint: str, req: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
-    """:func:`request`, raising :class:`Rejected` (with the job's message) on an error reply."""
-    reply = request(endpoint, req, timeout)
-    if not isinstance(reply, dict) or not reply.get("ok"):
-        error = reply.get("error") if isinstance(reply, dict) else repr(reply)
-        raise Rejected(f"{endpoint} rejected the request: {error}")
-    return reply
+EXIT_REJECTED = 1  # the job answered with an error (RequestError)
+EXIT_UNREACHABLE = 3  # no answer in time, or no connection (EndpointError)
 
 
 def _table(text: str) -> list[int]:
@@ -80,6 +44,7 @@ def _move(text: str) -> tuple[int, int]:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m megaphone.rebalance``."""
     p = argparse.ArgumentParser(prog="python -m megaphone.rebalance",
                                 description="Rebalance a running Megaphone job through its control endpoint.")
     p.add_argument("--endpoint", required=True, help="the job's control endpoint, e.g. tcp://127.0.0.1:5555")
@@ -87,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--table", type=_table, help="target routing table: one worker per bin, comma-separated")
     what.add_argument("--balanced", action="store_true", help="target the round-robin table")
     what.add_argument("--move", type=_move, action="append", metavar="BIN:WORKER", help="move one bin (repeatable)")
-    p.add_argument("--strategy", default="batched", choices=["all_at_once", "fluid", "batched"],
+    p.add_argument("--strategy", default="batched", choices=STRATEGIES,
                    help="migration strategy (default: batched)")
     p.add_argument("--status", action="store_true",
                    help="print the routing table and migration status (after the migration, if one is requested)")
@@ -105,7 +70,7 @@ def _fmt_bins(bins: Sequence[int], limit: int = 8) -> str:
 def _print_status(endpoint: str, timeout: float, out: Any) -> None:
     t = call(endpoint, {"op": "table"}, timeout)
     s = call(endpoint, {"op": "status"}, timeout)
-    print(f"table ({t['bins']} bins, {t['peers']} workers): {','.join(map(str, t['table']))}", file=out)
+    print(f"table ({t['nbins']} bins, {t['peers']} workers): {','.join(map(str, t['table']))}", file=out)
     if "routing_table" in t:
         print(f"operator routing table: {','.join(map(str, t['routing_table']))}", file=out)
     print(f"control time {s['control_time']}; {s['completed_count']} steps completed, "
@@ -154,8 +119,11 @@ def follow(endpoint: str, migration: int, total: int, timeout: float, interval: 
 
 
 def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``), printing to ``out`` (default:
+    stdout); return the exit status."""
     out = out or sys.stdout
-    args = parser().parse_args(argv)
+    cli = parser()
+    args = cli.parse_args(argv)
     req: dict[str, Any] = {"op": "rebalance", "strategy": args.strategy}
     if args.table is not None:
         req["table"] = args.table
@@ -168,7 +136,7 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
     try:
         if not req:
             if not args.status:
-                parser().error("give --table, --balanced, --move or --status")
+                cli.error("give --table, --balanced, --move or --status")
             _print_status(args.endpoint, args.timeout, out)
             return 0
         reply = call(args.endpoint, req, args.timeout)
@@ -179,15 +147,12 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
         if args.status:
             _print_status(args.endpoint, args.timeout, out)
         return 0
-    except Rejected as e:
+    except RequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REJECTED
-    except EndpointTimeout as e:
+    except EndpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_TIMEOUT
-    except zmq.ZMQError as e:
-        print(f"error: cannot talk to control endpoint {args.endpoint}: {e}", file=sys.stderr)
-        return EXIT_TIMEOUT
+        return EXIT_UNREACHABLE
 
 
 if __name__ == "__main__":

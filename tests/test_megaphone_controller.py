@@ -32,10 +32,12 @@ from hypothesis import strategies as st
 import megaphone
 import timely
 from megaphone.control import ControlInput
-from megaphone.controller import ControlEndpoint, Controller, StepEvent
-from megaphone.plan import balanced, plan, skewed
+from megaphone.controller import Controller, StepEvent
+from megaphone.endpoint import ControlEndpoint, EndpointError, request
+from megaphone.plan import plan
 from megaphone.rebalance import main as cli_main
-from megaphone.rebalance import request
+from megaphone.table import TableError, balanced, skewed
+from timely.errors import TimelyError
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_CLUSTER = (ROOT / "timely" / "cluster.py").exists()
@@ -44,20 +46,16 @@ STEP_TIMEOUT = 30
 
 # -- fakes ------------------------------------------------------------------------------------
 
-class FakeHandle:
-    closed = False
-
-
 class FakeControl:
-    """Records what the controller sends; ``time`` is set by the test."""
+    """Records what the controller sends; ``time`` and ``closed`` are set by the test."""
 
     def __init__(self, k: int = 3, peers: int = 3) -> None:
         self.k = k
-        self.bins = 1 << k
+        self.nbins = 1 << k
         self.peers = peers
         self.time = 0
+        self.closed = False
         self.sent: list[tuple[int, dict]] = []
-        self.handle = FakeHandle()
 
     def moves(self, assignment):
         self.sent.append((self.time, dict(assignment)))
@@ -125,19 +123,22 @@ def test_rebalance_plans_from_the_planned_table_and_validates():
     assert [len(e.moves) for e in ctl.events if e.migration == 1] == [1] * len(
         plan(target, start, "fluid"))
     before = list(ctl.events)
-    for bad, msg in [({9: 0}, "bin 9 does not exist"), ({0: 3}, "worker 3 does not exist"),
-                     ({0: -1}, "worker -1"), ({True: 0}, "bin True")]:
-        with pytest.raises(ValueError, match=msg):
+    for bad, msg in [({9: 0}, r"step 1: move of bin 9 to worker 0: bin 9 does not exist \(there are 8 bins\)"),
+                     ({0: 3}, r"worker 3 does not exist \(there are 3 workers\)"),
+                     ({0: -1}, "worker -1 does not exist"), ({True: 0}, "bin True is not an integer")]:
+        with pytest.raises(TableError, match=msg):
             ctl.start([{1: 0}, bad])
     with pytest.raises(ValueError, match="unknown migration strategy"):
         ctl.rebalance(start, "sideways")
-    with pytest.raises(ValueError, match="expected one per bin"):
+    with pytest.raises(TableError, match="expected one per bin"):
         ctl.rebalance([0, 1], "fluid")
+    with pytest.raises(TableError, match="target table, bin 2: worker 5 does not exist"):
+        ctl.rebalance([0, 0, 5, 0, 0, 0, 0, 0], "fluid")
     assert ctl.events == before and ctl.planned_table == start  # nothing queued by a bad request
     assert ctl.start([{}, {}]) == 2 and len(ctl.events) == len(before)  # empty steps are dropped
-    with pytest.raises(ValueError, match="one per bin"):
+    with pytest.raises(TableError, match="one per bin"):
         Controller(control, probe, table=[0, 1])
-    with pytest.raises(ValueError, match="worker 3, which does not exist"):
+    with pytest.raises(TableError, match=r"initial table, bin 3: worker 3 does not exist \(there are 3 workers\)"):
         Controller(control, probe, table=[0, 1, 2, 3, 0, 1, 2, 0])
 
 
@@ -146,8 +147,67 @@ def test_no_step_is_issued_on_a_closed_control_input():
     control, probe = FakeControl(), FakeProbe()
     ctl = Controller(control, probe)
     ctl.start([{0: 1}])
-    control.handle.closed = True
+    control.closed = True
     assert not ctl.tick() and control.sent == [] and ctl.busy
+
+
+@pytest.mark.timeout(30)
+def test_controller_bins_is_a_deprecated_spelling_of_nbins():
+    ctl = Controller(FakeControl(k=3, peers=3), FakeProbe())
+    assert ctl.nbins == 8
+    with pytest.warns(DeprecationWarning, match="Controller.nbins"):
+        assert ctl.bins == 8
+
+
+# -- the control input ---------------------------------------------------------------------------
+
+def control_input_job(worker):
+    """Invalid updates on a live control input, then valid ones; returns the errors and the records."""
+    with worker.dataflow() as scope:
+        control = ControlInput(scope, k=2)
+        captured = control.stream.capture()
+        probe = control.stream.probe()
+        errors = []
+        for kwargs in ({"k": 17}, {"k": -1}, {"k": True}):
+            try:
+                ControlInput(scope, **kwargs)
+            except TableError as e:
+                errors.append(str(e))
+        with pytest.warns(DeprecationWarning, match="spelled k"):
+            old = ControlInput(scope, bins=3)
+    for bad in (lambda: control.move(4, 0), lambda: control.move(0, 1), lambda: control.moves({0: 0, 1: 5}),
+                lambda: control.install([0, 0, 0]), lambda: control.install([0, 0, 0, "0"])):
+        try:
+            bad()
+        except TableError as e:
+            errors.append(str(e))
+    control.moves({3: 0, 1: 0})
+    control.advance_to(1)
+    control.install([0, 0, 0, 0])
+    control.close()
+    old.close()
+    closed = control.closed
+    worker.step_while(lambda: not probe.done(), timeout=STEP_TIMEOUT)
+    return {"errors": errors, "records": captured.extract(), "closed": closed, "old": (old.k, old.nbins)}
+
+
+@pytest.mark.timeout(60)
+def test_control_input_validates_before_sending():
+    [res] = timely.execute(control_input_job, workers=1)
+    assert res["errors"] == [
+        "k is the exponent of 2^k bins, an integer from 0 to 16, not 17",
+        "k is the exponent of 2^k bins, an integer from 0 to 16, not -1",
+        "k is the exponent of 2^k bins, an integer from 0 to 16, not True",
+        "move of bin 4 to worker 0: bin 4 does not exist (there are 4 bins)",
+        "move of bin 0 to worker 1: worker 1 does not exist (there are 1 workers)",
+        "move of bin 1 to worker 5: worker 5 does not exist (there are 1 workers)",
+        "routing table has 3 entries, expected one per bin (4)",
+        "routing table, bin 3: worker '0' is not an integer",
+    ]
+    # Nothing of a rejected call entered the dataflow (not even the valid move of {0: 0, 1: 5}).
+    assert [(t, sorted(batch)) for t, batch in res["records"]] == [
+        (0, [("move", 1, 0), ("move", 3, 0)]), (1, [("table", (0, 0, 0, 0))])]
+    assert res["closed"] and res["old"] == (3, 8)
 
 
 # -- a live keyed count ------------------------------------------------------------------------
@@ -189,19 +249,20 @@ def count_job(worker, k: int, epochs: list, steps=None, target=None, strategy: s
     """
     with worker.dataflow() as scope:
         data = scope.new_input()
-        control = ControlInput(scope, bins=k)
+        control = ControlInput(scope, k=k)
         m = megaphone.state_machine(data.stream, control, 0, count_fold)
         captured = m.stream.capture()
     violations: list[str] = []
-    ctl = None
+    ctl: Controller | None = None
     if worker.index == 0:
         def check(ev: StepEvent, what: str) -> None:
             if what == "issued" and ev.index > 0:
+                assert ctl is not None
                 prev = [e for e in ctl.events if e.migration == ev.migration and e.index == ev.index - 1][0]
                 if prev.state != "completed" or m.probe.less_equal(prev.issue_time):
                     violations.append(f"step {ev.index} issued before step {ev.index - 1} completed")
             if what == "completed" and m.probe.less_equal(ev.issue_time):
-                violations.append(f"step {ev.index} marked complete while the probe is at {m.probe.frontier()}")
+                violations.append(f"step {ev.index} marked complete while the probe is at {m.probe.frontier}")
 
         ctl = Controller(control, m.probe, on_progress=check)
         if steps is not None:
@@ -260,8 +321,7 @@ def test_live_count_with_controller_one_worker(k, epochs, seed):
 
 def ask(ctl: Controller, ep: ControlEndpoint, payload: bytes, timeout: float = 10.0) -> bytes:
     """Send raw ``payload`` to the endpoint and tick the controller until the reply arrives."""
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.REQ)
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     s.setsockopt(zmq.LINGER, 0)
     try:
         s.connect(ep.endpoint)
@@ -300,7 +360,7 @@ def test_endpoint_table_status_rebalance(fake_endpoint):
     assert ep.endpoint.startswith("tcp://127.0.0.1:")
     r = ask_msgpack(ctl, ep, {"op": "table"})
     assert r == {"ok": True, "table": [0, 1, 2, 0, 1, 2, 0, 1], "planned": [0, 1, 2, 0, 1, 2, 0, 1],
-                 "bins": 8, "peers": 3}
+                 "nbins": 8, "peers": 3}
     r = ask_json(ctl, ep, {"op": "rebalance", "table": [0, 0, 0, 0, 1, 2, 0, 1], "strategy": "fluid"})
     assert r == {"ok": True, "migration": 0, "steps": 2, "moves": 2, "strategy": "fluid"}
     # The tick that answered the request also issued the first step (nothing was in flight).
@@ -340,11 +400,12 @@ def test_endpoint_table_status_rebalance(fake_endpoint):
     ({"nop": 1}, "unknown op None"),
     ([1, 2], "must be a map"),
     ({"op": "rebalance", "table": [0] * 7}, "7 entries, expected one per bin (8)"),
-    ({"op": "rebalance", "table": [0] * 7 + [3]}, "worker 3, which does not exist (3 workers)"),
+    ({"op": "rebalance", "table": [0] * 7 + [3]}, "target table, bin 7: worker 3 does not exist (there are 3 workers)"),
     ({"op": "rebalance", "table": [0] * 7 + ["x"]}, "worker 'x' is not an integer"),
     ({"op": "rebalance", "table": "0,1"}, "'table' must be a list"),
-    ({"op": "rebalance", "moves": [[8, 0]]}, "bin 8 does not exist"),
-    ({"op": "rebalance", "moves": [[1, -1]]}, "worker -1"),
+    ({"op": "rebalance", "moves": [[8, 0]]}, "bin 8 does not exist (there are 8 bins)"),
+    ({"op": "rebalance", "moves": [[1, -1]]}, "worker -1 does not exist"),
+    ({"op": "rebalance", "moves": [[1, 0], [2, 3]]}, "move of bin 2 to worker 3: worker 3 does not exist"),
     ({"op": "rebalance", "moves": [[1]]}, "not a [bin, worker] pair"),
     ({"op": "rebalance", "moves": 5}, "'moves' must be"),
     ({"op": "rebalance"}, "exactly one of"),
@@ -379,7 +440,7 @@ def test_endpoint_poll_never_blocks(fake_endpoint):
     for _ in range(200):
         ctl.tick()
     assert time.monotonic() - t0 < 1.0
-    with pytest.raises(OSError, match="cannot bind"):
+    with pytest.raises(EndpointError, match="cannot bind"):
         ControlEndpoint(ctl, ep.endpoint)  # the address is taken
 
 
@@ -454,7 +515,7 @@ def test_cli_follows_a_migration_to_completion():
 
         r = run_cli("--endpoint", job.ep.endpoint, "--move", "3:7")
         assert r.returncode == 1
-        assert "rejected" in r.stderr and "worker 7, which does not exist" in r.stderr
+        assert "rejected" in r.stderr and "worker 7 does not exist" in r.stderr
 
 
 @pytest.mark.timeout(60)
@@ -475,7 +536,7 @@ def endpoint_job(worker, k: int, ready: threading.Event, stop: threading.Event, 
     """A live one-worker keyed count exposing a control endpoint until ``stop`` is set."""
     with worker.dataflow() as scope:
         data = scope.new_input()
-        control = ControlInput(scope, bins=k)
+        control = ControlInput(scope, k=k)
         m = megaphone.state_machine(data.stream, control, 0, count_fold)
         captured = m.stream.capture()
     ctl = Controller(control, m.probe)
@@ -531,7 +592,7 @@ def test_cli_against_a_live_job():
         assert r.returncode == 0 and "migration 0: 0 bins in 0 steps" in r.stdout, r.stderr
         # ... and a move elsewhere is rejected, changing nothing.
         r = run_cli("--endpoint", ep, "--move", "3:1")
-        assert r.returncode == 1 and "worker 1, which does not exist (1 workers)" in r.stderr
+        assert r.returncode == 1 and "worker 1 does not exist (there are 1 workers)" in r.stderr
         reply = request(ep, {"op": "table"}, 10)
         assert reply["ok"] and reply["routing_table"] == [0] * 16
         # The endpoint keeps the job running: data flowed the whole time.
@@ -549,6 +610,11 @@ def test_cli_main_in_process_reports_timeout(capsys):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     assert cli_main(["--endpoint", endpoint, "--status", "--timeout", "0.2"]) == 3
     assert endpoint in capsys.readouterr().err
+    assert cli_main(["--endpoint", "nowhere://at-all", "--balanced"]) == 3  # cannot even connect
+    assert "cannot talk to control endpoint nowhere://at-all" in capsys.readouterr().err
+    with pytest.raises(EndpointError) as e:
+        request("nowhere://at-all", {"op": "table"})
+    assert isinstance(e.value, TimelyError) and isinstance(e.value, OSError)
 
 
 # -- two workers: real moves (needs the process cluster) -------------------------------------
@@ -600,7 +666,7 @@ def cli_cluster_job(worker, k: int, port: int, epochs: int):
     it has completed (or 60 s pass); the other workers send their data and close their inputs."""
     with worker.dataflow() as scope:
         data = scope.new_input()
-        control = ControlInput(scope, bins=k)
+        control = ControlInput(scope, k=k)
         m = megaphone.state_machine(data.stream, control, 0, count_fold)
         captured = m.stream.capture()
     sent = []

@@ -8,6 +8,7 @@ NOT always reach D (see ``test_plain_repeated_maximum_matching_can_miss_the_boun
 """
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 
 import networkx as nx
@@ -16,16 +17,31 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from networkx.algorithms.bipartite import hopcroft_karp_matching
 
-from megaphone.plan import STRATEGIES, balanced, moved_bins, plan, skewed
+from megaphone import control
+from megaphone.plan import STRATEGIES, plan
+from megaphone.table import (
+    MAX_K,
+    TableError,
+    apply,
+    balanced,
+    move_updates,
+    moved_bins,
+    skewed,
+    validate_k,
+    validate_move,
+    validate_table,
+    validate_update,
+)
+from timely.errors import TimelyError
 
 
 @st.composite
-def table_pairs(draw, max_peers: int = 6, max_bins: int = 64):
+def table_pairs(draw, max_peers: int = 6, max_nbins: int = 64):
     peers = draw(st.integers(1, max_peers))
-    bins = draw(st.integers(0, max_bins))
+    nbins = draw(st.integers(0, max_nbins))
     worker = st.integers(0, peers - 1)
-    current = draw(st.lists(worker, min_size=bins, max_size=bins))
-    target = draw(st.lists(worker, min_size=bins, max_size=bins))
+    current = draw(st.lists(worker, min_size=nbins, max_size=nbins))
+    target = draw(st.lists(worker, min_size=nbins, max_size=nbins))
     return peers, current, target
 
 
@@ -39,7 +55,7 @@ def max_degree(current, target) -> int:
     return max([0, *sends.values(), *receives.values()])
 
 
-def apply(current, steps):
+def apply_steps(current, steps):
     table = list(current)
     for step in steps:
         for b, w in step.items():
@@ -53,7 +69,7 @@ def apply(current, steps):
 def test_steps_turn_current_into_target(pair, strategy):
     peers, current, target = pair
     steps = plan(current, target, strategy, peers=peers)
-    assert apply(current, steps) == list(target)
+    assert apply_steps(current, steps) == list(target)
     moved = [b for step in steps for b in step]
     assert len(moved) == len(set(moved)), "a bin moved twice"
     assert sorted(moved) == moved_bins(current, target), "only (and all) changed bins move"
@@ -68,7 +84,7 @@ def test_steps_turn_current_into_target(pair, strategy):
 
 @pytest.mark.timeout(120)
 @settings(max_examples=300, deadline=None)
-@given(table_pairs(max_peers=8, max_bins=128))
+@given(table_pairs(max_peers=8, max_nbins=128))
 def test_batched_steps_are_matchings_with_the_optimal_count(pair):
     peers, current, target = pair
     steps = plan(current, target, "batched")
@@ -103,11 +119,11 @@ def repeated_maximum_matching(current, target) -> list[dict[int, int]]:
 
 @pytest.mark.timeout(120)
 @settings(max_examples=200, deadline=None)
-@given(table_pairs(max_peers=8, max_bins=96))
+@given(table_pairs(max_peers=8, max_nbins=96))
 def test_batched_never_worse_than_plain_repeated_matching(pair):
     _, current, target = pair
     reference = repeated_maximum_matching(current, target)
-    assert apply(current, reference) == list(target)
+    assert apply_steps(current, reference) == list(target)
     assert max_degree(current, target) <= len(plan(current, target, "batched")) <= len(reference)
 
 
@@ -121,7 +137,7 @@ def test_plain_repeated_maximum_matching_can_miss_the_bound():
     g = nx.Graph([(("s", 0), ("r", 3)), (("s", 1), ("r", 3)), (("s", 1), ("r", 4)), (("s", 2), ("r", 4))])
     assert len(nx.max_weight_matching(g, maxcardinality=True)) == 2
     # ... after which worker 1 still has two bins to send: three steps, one more than D.
-    after = apply(current, [{0: 3, 3: 4}])
+    after = apply_steps(current, [{0: 3, 3: 4}])
     assert max_degree(after, target) == 2
     # megaphone.plan reaches D: worker 1 sends in both steps.
     steps = plan(current, target, "batched")
@@ -156,8 +172,10 @@ def test_helpers():
     assert skewed([1, 1, 1, 1], peers=2) == (0, 0, 1, 1)
     assert plan([0, 1], [0, 1], "batched") == []
     assert plan([], [], "all_at_once") == []
-    with pytest.raises(ValueError, match="peers"):
+    with pytest.raises(TableError, match="peers"):
         balanced(4, 0)
+    with pytest.raises(TableError, match="nbins"):
+        balanced(-1, 2)
     with pytest.raises(ValueError, match="fraction"):
         skewed([0, 1], fraction=1.5)
 
@@ -166,18 +184,20 @@ def test_helpers():
 def test_errors():
     with pytest.raises(ValueError, match="unknown migration strategy 'sudden'"):
         plan([0, 1], [1, 0], "sudden")
-    with pytest.raises(ValueError, match="different lengths"):
+    with pytest.raises(TableError, match=r"target table has 3 entries, expected one per bin \(2\)"):
         plan([0, 1], [0, 1, 0], "fluid")
-    with pytest.raises(ValueError, match="different lengths"):
+    with pytest.raises(TableError, match="different lengths"):
         moved_bins([0], [])
-    with pytest.raises(ValueError, match="negative"):
+    with pytest.raises(TableError, match=r"current table, bin 1: worker -1 does not exist \(workers are numbered from 0\)"):
         plan([0, -1], [0, 0], "batched")
-    with pytest.raises(ValueError, match="target table maps bin 1 to worker -2"):
+    with pytest.raises(TableError, match="target table, bin 1: worker -2"):
         plan([0, 1], [0, -2], "all_at_once")
-    with pytest.raises(ValueError, match="not a worker index"):
+    with pytest.raises(TableError, match="worker '1' is not an integer"):
         plan([0, 1], [0, "1"], "fluid")
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(TableError, match=r"worker 2 does not exist \(there are 2 workers\)"):
         plan([0, 1], [0, 2], "batched", peers=2)
+    with pytest.raises(TableError, match="current table, bin 0: worker True is not an integer"):
+        skewed([True, 1])
 
 
 @pytest.mark.timeout(60)
@@ -186,3 +206,81 @@ def test_large_batched_plan_is_fast():
     current = balanced(1 << 16, 2)
     steps = plan(current, [1 - w for w in current], "batched")
     assert len(steps) == 1 << 15 and all(len(s) == 2 for s in steps)
+
+
+# -- the routing table module -------------------------------------------------------------------
+
+@pytest.mark.timeout(30)
+def test_table_error_is_a_timely_error_and_a_value_error():
+    assert issubclass(TableError, TimelyError) and issubclass(TableError, ValueError)
+    assert control.ControlError is TableError  # the name megaphone.operators still imports
+
+
+@pytest.mark.timeout(30)
+def test_validate_k():
+    assert [validate_k(k) for k in (0, 8, MAX_K)] == [0, 8, 16]
+    for bad in (-1, MAX_K + 1, 2.0, True, "3"):
+        with pytest.raises(TableError, match="exponent of 2\\^k bins"):
+            validate_k(bad)
+
+
+@pytest.mark.timeout(30)
+def test_validate_move_and_table():
+    validate_move(3, 1, 4, 2)
+    for (b, w), msg in [((4, 0), "bin 4 does not exist (there are 4 bins)"),
+                        ((-1, 0), "bin -1 does not exist (bins are numbered from 0)"),
+                        ((0, 2), "worker 2 does not exist (there are 2 workers)"),
+                        ((0, False), "worker False is not an integer"),
+                        ((None, 0), "bin None is not an integer")]:
+        with pytest.raises(TableError) as e:
+            validate_move(b, w, 4, 2)
+        assert str(e.value) == f"move of bin {b!r} to worker {w!r}: {msg}"
+    assert validate_table([0, 1, 1]) == (0, 1, 1)
+    assert validate_table((0, 1), 2, 2) == (0, 1)
+    for table, nbins, peers, msg in [
+        ([0, 1], 3, None, "routing table has 2 entries, expected one per bin (3)"),
+        ([0, 2], 2, 2, "routing table, bin 1: worker 2 does not exist (there are 2 workers)"),
+        ("01", None, None, "routing table must be a sequence of workers, one per bin, not str"),
+        (5, None, None, "routing table must be a sequence of workers, one per bin, not int"),
+    ]:
+        with pytest.raises(TableError) as e:
+            validate_table(table, nbins, peers)
+        assert str(e.value) == msg
+
+
+@pytest.mark.timeout(30)
+def test_validate_update_and_apply():
+    good = [("move", 1, 0), ["move", 3, 1], ("table", (1, 1, 0, 0)), ("table", [0, 0, 0, 0])]
+    for u in good:
+        validate_update(u, 4, 2)
+        control.check_update(u, 4, 2)
+    for u, msg in [
+        (("move", 4, 0), "bin 4 does not exist"),
+        (("move", 0, 2), "worker 2 does not exist"),
+        (("table", (0, 1)), "routing table has 2 entries, expected one per bin (4)"),
+        (("table", (0, 1, 0, 7)), "routing table, bin 3: worker 7 does not exist"),
+        (("table", "0101"), "must be a sequence of workers"),
+        (("move", 1), "is not ('move', bin, worker) or ('table'"),
+        (("swap", 1, 2), "is not ('move', bin, worker) or ('table'"),
+        ((), "is not ('move', bin, worker)"),
+        ("move", "is not ('move', bin, worker)"),
+    ]:
+        with pytest.raises(TableError, match=re.escape(msg)):
+            validate_update(u, 4, 2)
+    start = balanced(4, 2)
+    assert apply(start, []) == start == (0, 1, 0, 1)
+    assert apply(start, good) == (0, 0, 0, 0)
+    assert apply(start, good[:2]) == (0, 0, 0, 1)
+    assert apply(start, move_updates({3: 0, 0: 1})) == (1, 1, 0, 0)
+    assert control.apply_updates(start, good[:3]) == apply(start, good[:3]) == (1, 1, 0, 0)
+    assert move_updates({3: 0, 0: 1}) == [("move", 0, 1), ("move", 3, 0)]
+    assert control.default_table(5, 2) == balanced(5, 2) == (0, 1, 0, 1, 0)
+
+
+@pytest.mark.timeout(30)
+def test_moved_bins_from_one_source():
+    old, new = (0, 1, 2, 0, 1, 2), (1, 1, 0, 2, 0, 2)
+    assert moved_bins(old, new) == [0, 2, 3, 4]
+    assert moved_bins(old, new, source=0) == [0, 3]
+    assert moved_bins(old, new, source=2) == [2]
+    assert moved_bins(old, new, source=5) == []
