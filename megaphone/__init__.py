@@ -6,11 +6,13 @@ dataflow runs (Hoffmann et al., "Megaphone", PVLDB 12(9), 2019). See DESIGN.md s
 """
 from timely.routing import bins_of, hash64
 
+from .bins import MegaphoneError
 from .control import ControlError, ControlInput, default_table
 from .controller import Controller, StepEvent
 from .endpoint import ControlEndpoint, EndpointError, RequestError
-from .operators import BinNotificator, MegaphoneError, Migratable, binary, state_machine, unary
+from .operators import Migratable, binary, state_machine, unary
 from .plan import STRATEGIES, plan
+from .state import BinNotificator
 from .table import TableError, balanced, moved_bins, skewed, validate_table, validate_update
 
 # ControlError and default_table: the former names of TableError and balanced, kept while README.md

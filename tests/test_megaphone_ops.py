@@ -83,7 +83,7 @@ def sm_job(epochs, moves, k):
     def main(worker):
         with worker.dataflow() as scope:
             data = scope.new_input()
-            control = megaphone.ControlInput(scope, bins=k)
+            control = megaphone.ControlInput(scope, k=k)
             m = megaphone.state_machine(data.stream, control, None, fold, chunk=4)  # many chunks per bin
             cap = m.stream.capture()
         owned = drive(worker, [data], control, m, epochs, moves)
@@ -144,7 +144,7 @@ def timers_job(epochs, moves, k, delay):
     def main(worker):
         with worker.dataflow() as scope:
             data = scope.new_input()
-            control = megaphone.ControlInput(scope, bins=k)
+            control = megaphone.ControlInput(scope, k=k)
             m = megaphone.unary(data.stream, control, 0, fold)
             cap = m.stream.capture()
         owned = drive(worker, [data], control, m, epochs, moves)
@@ -199,7 +199,7 @@ def join_job(epochs, moves, k):
         with worker.dataflow() as scope:
             left = scope.new_input()
             right = scope.new_input()
-            control = megaphone.ControlInput(scope, bins=k)
+            control = megaphone.ControlInput(scope, k=k)
             m = megaphone.binary(left.stream, right.stream, control, 0, 0, fold)
             cap = m.stream.capture()
         owned = drive(worker, [left, right], control, m, epochs, moves)
@@ -250,7 +250,7 @@ def tracked_job(k):
 
         with worker.dataflow() as scope:
             data = scope.new_input()
-            control = megaphone.ControlInput(scope, bins=k)
+            control = megaphone.ControlInput(scope, k=k)
             m = megaphone.state_machine(data.stream, control, 0, fold)
         epochs = [[[(key, 1) for key in range(200)]]] * 3
         moves = [{}, {b: worker.peers - 1 for b in range(1 << k)}, {}]

@@ -1,0 +1,125 @@
+"""F, the routing operator of the Megaphone paper: it routes records by the configuration in force
+at their time, and ships the state of moving bins to their new owners at migration times.
+
+Invariants of DESIGN.md section 5 relied on here: a record is routed by the table in force at its
+own time, only once that table is final (5.3); a bin leaves only once S has applied every time
+before the migration time (5.4).
+"""
+from __future__ import annotations
+
+import pickle
+import time as _time
+from itertools import islice
+from operator import itemgetter
+from typing import Any
+
+from timely import Capability, Frontier, OperatorInput, OperatorOutput, ProbeHandle
+
+from .bins import Shared
+from .table import Table, TableError, apply, moved_bins, validate_update
+
+
+class RoutingOperator:
+    """F: routes records by the configuration in force at their time; ships bins at migration times."""
+
+    def __init__(self, shared: Shared, n: int, ctrl_frontier: Frontier, probe: ProbeHandle, chunk: int) -> None:
+        self.shared = shared
+        self.n = n
+        self.ctrl_frontier = ctrl_frontier
+        self.probe = probe
+        self.chunk = chunk
+        self.ctrl_pending: dict[Any, tuple[Any, list]] = {}
+        self.to_extract: list[tuple[Any, tuple, tuple, Any]] = []
+        self.stash: dict[Any, tuple[list, list]] = {}  # time -> (caps per input, batches per input)
+
+    def run(self, data_in: list[OperatorInput], ctrl_in: OperatorInput, data_out: list[OperatorOutput],
+            state_out: OperatorOutput) -> None:
+        """One activation: compile configurations, ship moving bins, route or stash data."""
+        shared = self.shared
+        ctrl_frontier = self.ctrl_frontier
+        # 1. Control ingest: hold a capability at each control time on the state output.
+        for cap, batch in ctrl_in:
+            entry = self.ctrl_pending.get(cap.time)
+            if entry is None:
+                entry = self.ctrl_pending[cap.time] = (cap.retain(self.n), [])
+            entry[1].extend(batch)
+        # 2. Compile configurations whose time the control frontier has passed (times total order).
+        for t in sorted(self.ctrl_pending):
+            if ctrl_frontier.less_equal(t):
+                break
+            cap, updates = self.ctrl_pending.pop(t)
+            for u in updates:
+                try:
+                    validate_update(u, shared.nbins, shared.peers)
+                except TableError as e:
+                    raise TableError(f"'{shared.name}': {e}") from None
+            old = shared.config_tables[-1]
+            new = apply(old, updates)
+            shared.config_times.append(t)
+            shared.config_tables.append(new)
+            self.to_extract.append((t, old, new, cap))
+        # 3. Ship moving bins once S has finished every time before t (DESIGN 5.4); until then the
+        #    capability at t on the state output keeps S from applying anything at or after t.
+        while self.to_extract and not self.probe.less_than(self.to_extract[0][0]):
+            t, old, new, cap = self.to_extract.pop(0)
+            self._extract(t, old, new, cap, state_out)
+        # 4. New data: route now if the configuration at its time is final, else stash it (DESIGN 5.3).
+        for i, inp in enumerate(data_in):
+            for cap, batch in inp:
+                t = cap.time
+                if ctrl_frontier.less_equal(t):
+                    entry = self.stash.get(t)
+                    if entry is None:
+                        entry = self.stash[t] = ([None] * self.n, [[] for _ in range(self.n)])
+                    if entry[0][i] is None:
+                        entry[0][i] = cap.retain(i)
+                    entry[1][i].append(batch)
+                else:
+                    data_out[i].give_batch(cap, batch)
+        # 5. Release stashed data whose configuration became final.
+        for t in sorted(self.stash):
+            if ctrl_frontier.less_equal(t):
+                break
+            caps, batches = self.stash.pop(t)
+            for i in range(self.n):
+                if caps[i] is not None:
+                    for batch in batches[i]:
+                        data_out[i].give_batch(caps[i], batch)
+                    caps[i].drop()
+        # Forget configurations no record can be routed by any more.
+        # (Stashed records were consumed already: their times bound the horizon too.)
+        low = [t for p in data_in for t in p.frontier] + list(self.stash)
+        if low:
+            horizon = min(low)
+            while len(shared.config_times) > 1 and shared.config_times[1] <= horizon:
+                del shared.config_times[0], shared.config_tables[0]
+
+    def _extract(self, t: Any, old: Table, new: Table, cap: Capability, state_out: OperatorOutput) -> None:
+        shared = self.shared
+        me = shared.index
+        started = _time.perf_counter()
+        moved = moved_bins(old, new, source=me)
+        nbytes = entries = 0
+        for b in moved:
+            bin_ = shared.take_bin(b)
+            state = bin_.state
+            timers = [(tt, p) for tt, _, p in sorted(bin_.timers, key=itemgetter(0, 1))]
+            entries += len(state)
+            # Bounded chunks: one state message per chunk of at most `chunk` entries (pickled as
+            # dicts, the fastest form to write and read back); timers travel with the first.
+            if len(state) <= self.chunk:
+                chunks = [dict(state)]
+            else:
+                it = iter(state.items())
+                chunks = [dict(islice(it, self.chunk)) for _ in range(0, len(state), self.chunk)]
+            for i, part in enumerate(chunks):
+                payload = pickle.dumps((part, timers if i == 0 else []), protocol=5)
+                nbytes += len(payload)
+                state_out.give_batch(cap, [(new[b], b, payload)])
+        cap.drop()
+        if moved and shared.s_activator is not None:
+            shared.s_activator.activate()  # S releases the capabilities of timers that left
+        if moved:
+            shared.events.append({"kind": "extract", "time": t, "bins": moved, "to": [new[b] for b in moved],
+                                  "entries": entries, "bytes": nbytes, "seconds": _time.perf_counter() - started,
+                                  "worker": me})

@@ -1,0 +1,191 @@
+"""S, the state operator of the Megaphone paper: it holds the bins of keyed state and applies the
+records of a time once every data input and the state input have passed it.
+
+Invariants of DESIGN.md section 5 relied on here: state arriving for a bin is installed before any
+later record of the bin (5.4), and times are applied in order (5.5).
+"""
+from __future__ import annotations
+
+import heapq
+import pickle
+import time as _time
+from collections.abc import Callable, Sequence
+from itertools import count
+from typing import Any
+
+from timely import Capability, Frontier, InputCapability, OperatorInput, OperatorOutput, routing
+
+from .bins import Bin, MegaphoneError, Shared
+
+PerRecord = Callable[[dict, Any, list], None]  # (bin state, record, outputs): state_machine's fold
+
+
+class BinNotificator:
+    """Per-bin timers: ``notify_at(time, payload)`` delivers ``payload`` to the fold at ``time``.
+
+    Timers carry data and migrate with their bin.
+    """
+
+    __slots__ = ("_s", "_bin", "_b", "_now")
+
+    def __init__(self, s: StateOperator, b: int, bin_: Bin, now: Any) -> None:
+        self._s = s
+        self._b = b
+        self._bin = bin_
+        self._now = now
+
+    def notify_at(self, time: Any, payload: Any = None) -> None:
+        """Call the fold for this bin at ``time`` (not earlier than now) with ``payload`` in ``timers``."""
+        if not time >= self._now:
+            raise MegaphoneError(f"'{self._s.shared.name}': timer at {time!r} is earlier than the current time {self._now!r}")
+        self._s.add_timer(self._b, self._bin, time, payload, self._s.caps[self._now])
+
+
+class StateOperator:
+    """S: applies records at a time once every data input and the state input have passed it."""
+
+    def __init__(self, shared: Shared, keys: Sequence[Any], fold: Callable, frontiers: Sequence[Frontier],
+                 per_record: PerRecord | None = None) -> None:
+        self.shared = shared
+        self.keys = keys
+        self.fold = fold
+        self.n = len(keys)  # data inputs
+        self.frontiers = frontiers  # of every data input and of the state input
+        self.caps: dict[Any, Capability] = {}
+        self.pending: dict[Any, list[list]] = {}  # time -> per input list of batches
+        self.timer_heap: list[Any] = []  # times with timers (lazy: checked against timer_bins)
+        self.pending_heap: list[Any] = []  # times with pending data (lazy: checked against pending)
+        self.seq = count()
+        self.per_record = per_record  # state_machine's fast path: one input, no timers
+
+    def hold(self, time: Any, cap: Capability | InputCapability) -> None:
+        """Keep a capability at ``time`` on the output (once per time)."""
+        if time not in self.caps:
+            self.caps[time] = cap.delayed(time) if isinstance(cap, Capability) else cap.delayed(time, 0)
+
+    def add_timer(self, b: int, bin_: Bin, time: Any, payload: Any, cap: Capability | InputCapability) -> None:
+        """Post ``payload`` to bin ``b`` at ``time``; hold the output at ``time`` until it fires."""
+        heapq.heappush(bin_.timers, (time, next(self.seq), payload))
+        bins_at = self.shared.timer_bins[time]
+        if not bins_at:
+            heapq.heappush(self.timer_heap, time)
+        bins_at.add(b)
+        self.hold(time, cap)
+
+    def complete(self, time: Any) -> bool:
+        """True once no data input and not the state input can still receive ``time``."""
+        return not any(f.less_equal(time) for f in self.frontiers)
+
+    def run(self, inputs: list[OperatorInput], state_in: OperatorInput, out: OperatorOutput) -> None:
+        """One activation: install arriving bins, stash data, apply complete times in order."""
+        shared = self.shared
+        # 1. Install arriving state first (DESIGN 5.4: installed before any later record of the bin).
+        for cap, batch in state_in:
+            started = _time.perf_counter()
+            nbytes = entries = 0
+            bins = set()
+            for _, b, payload in batch:
+                data, timers = pickle.loads(payload)
+                nbytes += len(payload)
+                entries += len(data)
+                bins.add(b)
+                bin_ = shared.bins[b]
+                if bin_ is None:
+                    bin_ = shared.bins[b] = Bin()
+                bin_.state.update(data)  # into the BinState (pickled as a plain dict: faster both ways)
+                for t, p in timers:
+                    self.add_timer(b, bin_, t, p, cap)
+            shared.events.append({"kind": "install", "time": cap.time, "bins": sorted(bins), "entries": entries,
+                                  "bytes": nbytes, "seconds": _time.perf_counter() - started,
+                                  "worker": shared.index})
+        # 2. Stash data until its time is complete on every data input and on the state input.
+        for i, inp in enumerate(inputs):
+            for cap, batch in inp:
+                t = cap.time
+                per_input = self.pending.get(t)
+                if per_input is None:
+                    per_input = self.pending[t] = [[] for _ in inputs]
+                    heapq.heappush(self.pending_heap, t)
+                    self.hold(t, cap)
+                per_input[i].append(batch)
+        # 3. Apply complete times in time order (DESIGN 5.5).
+        applied = []
+        while True:
+            t = self._next_time()
+            if t is None or not self.complete(t):
+                break
+            self._apply(t, out)
+            applied.append(t)
+        # 4. Release capabilities no longer needed: times just applied (data and timers done), and
+        # the times of timers that left with shipped bins. Only these can have become
+        # free: a held time stays needed while it has pending data or a timer on this worker.
+        if shared.left_times:
+            applied += shared.left_times
+            shared.left_times = []
+        for t in applied:
+            if t in self.caps and t not in self.pending and t not in shared.timer_bins:
+                self.caps.pop(t).drop()
+
+    def _apply_records(self, t: Any, out: OperatorOutput) -> None:
+        """Fast path (``state_machine``: one input, no timers): each record straight into its bin."""
+        shared = self.shared
+        bins_held = shared.bins
+        apply = self.per_record
+        assert apply is not None
+        results: list = []
+        for batch in self.pending.pop(t)[0]:
+            try:
+                bins = routing.bins_of(batch, self.keys[0], shared.k)
+            except Exception as e:
+                raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
+            for b, r in zip(bins, batch):
+                bin_ = bins_held[b]
+                if bin_ is None:
+                    raise MegaphoneError(
+                        f"'{shared.name}': records of bin {b} at time {t!r} reached worker {shared.index}, which "
+                        "does not hold the bin (routing invariant violated)"
+                    )
+                apply(bin_.state, r, results)
+        if results:
+            out.give_batch(self.caps[t], results)
+
+    def _next_time(self) -> Any:
+        heap = self.timer_heap
+        while heap and heap[0] not in self.shared.timer_bins:
+            heapq.heappop(heap)  # every timer at that time fired or left with its bin
+        data = self.pending_heap
+        while data and data[0] not in self.pending:
+            heapq.heappop(data)  # applied
+        if heap and data:
+            return min(heap[0], data[0])
+        return heap[0] if heap else data[0] if data else None
+
+    def _apply(self, t: Any, out: OperatorOutput) -> None:
+        shared = self.shared
+        n = self.n
+        if self.per_record is not None and t not in shared.timer_bins:
+            self._apply_records(t, out)
+            return
+        groups: dict[int, list[list]] = {}
+        for i, batches in enumerate(self.pending.pop(t, [[]] * n)):
+            for batch in batches:
+                try:
+                    bins = routing.bins_of(batch, self.keys[i], shared.k)
+                except Exception as e:
+                    raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
+                for b, r in zip(bins, batch):
+                    g = groups.get(b)
+                    if g is None:
+                        g = groups[b] = [[] for _ in range(n)]
+                    g[i].append(r)
+        due = shared.timer_bins.pop(t, ())
+        cap = self.caps[t]
+        for b in sorted(set(groups) | set(due)):
+            bin_ = shared.bins[b] or shared.bin_for_record(b, t)
+            timers = []
+            while bin_.timers and bin_.timers[0][0] == t:
+                timers.append(heapq.heappop(bin_.timers)[2])
+            records = groups.get(b) or [[] for _ in range(n)]
+            result = self.fold(t, *records, timers, bin_.state, BinNotificator(self, b, bin_, t))
+            if result:
+                out.session(cap).give_batch(result)  # buffered: one message per time, not per bin
