@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install build test demo bench clean
+.PHONY: install build lint test demo bench clean
 
 install: $(STAMP) build
 
@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml setup.py
 build: $(STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace
 
-test: install
+# Lint and type-check the whole tree (configured in pyproject.toml), then the test suite.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 demo: install

@@ -11,12 +11,34 @@ from typing import Any
 from . import errors, routing
 from .comm.allocator import ThreadAllocator
 from .dataflow import (
-    Activator, Broadcast, Capability, Captured, Distribute, Exchange, Frontier, InputCapability, InputHandle,
-    Notificator, OperatorBuilder, OperatorInfo, OperatorInput, OperatorOutput, Pact, Pipeline, ProbeHandle, Scope,
+    Activator,
+    Broadcast,
+    Capability,
+    Captured,
+    Distribute,
+    Exchange,
+    Frontier,
+    InputCapability,
+    InputHandle,
+    Notificator,
+    OperatorBuilder,
+    OperatorInfo,
+    OperatorInput,
+    OperatorOutput,
+    Pact,
+    Pipeline,
+    ProbeHandle,
+    Scope,
     Stream,
 )
 from .errors import (
-    BuildError, CapabilityError, InputError, OperatorError, ProgressMismatchError, ProgressOrderError, TimelyError,
+    BuildError,
+    CapabilityError,
+    InputError,
+    OperatorError,
+    ProgressMismatchError,
+    ProgressOrderError,
+    TimelyError,
 )
 from .progress import Summary
 from .worker import Worker, batch_gc

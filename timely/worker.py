@@ -5,13 +5,12 @@ import contextlib
 import gc
 import time as _time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 from .comm.allocator import Allocator
-from .errors import BuildError
 from .dataflow.dataflow import Dataflow
 from .dataflow.input import InputHandle
 from .dataflow.scope import Scope
+from .errors import BuildError
 
 #: CPython's young-generation threshold while a worker runs (its default is 700). A collection
 #: starts when container allocations minus deallocations pass it, and costs time per young object

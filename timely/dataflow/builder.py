@@ -24,7 +24,8 @@ after each run. After :meth:`build` the operator's shape is frozen.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import BuildError
 from ..progress.timestamp import Summary, minimum
@@ -40,7 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
 Constructor = Callable[[list[Capability]], "Callable[[], object] | None"]
 
 
-class OperatorInfo(NamedTuple):
+@dataclass(frozen=True)
+class OperatorInfo:
     """What an operator learns about itself: its ``name``, ``index`` in the dataflow, this
     ``worker`` of ``peers``, and its ``activator`` (``activate()``, ``activate_after(seconds)``)."""
 

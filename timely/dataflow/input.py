@@ -40,13 +40,15 @@ class InputHandle:
         """True after :meth:`close`."""
         return self._cap is None
 
-    def _check_open(self) -> None:
+    def _open(self) -> Capability:
+        """The input's capability; raises if the input is closed."""
         if self._cap is None:
             raise InputError(f"input '{self.name}' is closed")
+        return self._cap
 
     def send(self, record: Any) -> None:
         """Send one record at the current time."""
-        self._check_open()
+        self._open()
         self._buffer.append(record)
         if len(self._buffer) >= 4096:
             self.flush()
@@ -57,28 +59,26 @@ class InputHandle:
         A list is handed over as is, not copied (as every batch inside the dataflow): the caller
         must not mutate it afterwards. Other sequences are copied into a list.
         """
-        self._check_open()
+        cap = self._open()
         if self._buffer:
             self._buffer.extend(records)
             self.flush()
         elif records:
-            self._out.give_batch(self._cap, records if type(records) is list else list(records))
+            self._out.give_batch(cap, records if type(records) is list else list(records))
 
     def flush(self) -> None:
         """Push buffered records into the dataflow."""
         if self._buffer:
             buf, self._buffer = self._buffer, []
-            self._out.give_batch(self._cap, buf)
+            self._out.give_batch(self._open(), buf)
 
     def advance_to(self, time: Any) -> None:
         """Move the input's epoch forward to ``time``; earlier epochs can complete."""
-        self._check_open()
-        if not less_equal(self._cap.time, time):
-            raise InputError(
-                f"input '{self.name}': advance_to({time!r}) would move time backwards from {self._cap.time!r}"
-            )
+        cap = self._open()
+        if not less_equal(cap.time, time):
+            raise InputError(f"input '{self.name}': advance_to({time!r}) would move time backwards from {cap.time!r}")
         self.flush()
-        self._cap.downgrade(time)
+        cap.downgrade(time)
 
     def close(self) -> None:
         """No more records: release the input's capability (idempotent)."""

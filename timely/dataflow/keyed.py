@@ -31,8 +31,8 @@ def count_logic(key: Key) -> NotifyLogic:
             if cap.time not in counts:
                 notificator.notify_at(cap.retain())
             counts[cap.time].update(batch if getter is None else map(getter, batch))
-        for cap in notificator:
-            out.give_batch(cap, list(counts.pop(cap.time).items()))
+        for done in notificator:
+            out.give_batch(done, list(counts.pop(done.time).items()))
 
     return logic
 
@@ -49,8 +49,8 @@ def reduce_logic(reduce: Callable[[Any, Any], Any]) -> NotifyLogic:
                 notificator.notify_at(cap.retain())
             for k, v in batch:
                 acc[k] = reduce(acc[k], v) if k in acc else v
-        for cap in notificator:
-            out.give_batch(cap, list(state.pop(cap.time).items()))
+        for done in notificator:
+            out.give_batch(done, list(state.pop(done.time).items()))
 
     return logic
 

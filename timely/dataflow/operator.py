@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from ..errors import OperatorError
 from ..progress.frontier import Frontier, MutableAntichain
-from ..progress.reachability import Target
+from ..progress.reachability import Location, Target
 from ..progress.timestamp import Summary
 from .context import Context
 
@@ -62,7 +62,7 @@ class OutputPort:
         self.op = op
         self.port = port
         self.levels = levels
-        self.channels: list[tuple[Any, Target]] = []  # (Channel, Target location)
+        self.channels: list[tuple[Any, Location]] = []  # (Channel, Target location)
         self._update = op.ctx.progress.update
 
     def send(self, time: Any, batch: Sequence) -> None:

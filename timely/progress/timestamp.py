@@ -23,7 +23,7 @@ Time = int | tuple
 
 def depth(t: Time) -> int:
     """Number of coordinates of ``t`` (1 for an int)."""
-    return 1 if type(t) is int else len(t)
+    return len(t) if isinstance(t, tuple) else 1
 
 
 def less_equal(a, b) -> bool:
@@ -52,7 +52,7 @@ def minimum(levels: int = 1) -> Time:
 
 def to_inner(t: Time) -> tuple:
     """Enter a nested scope: append an inner coordinate 0."""
-    return (t, 0) if type(t) is int else t + (0,)
+    return t + (0,) if isinstance(t, tuple) else (t, 0)
 
 
 def to_outer(t: tuple) -> Time:
@@ -61,7 +61,7 @@ def to_outer(t: tuple) -> Time:
 
 
 def _coords(t: Time) -> tuple:
-    return (t,) if type(t) is int else t
+    return t if isinstance(t, tuple) else (t,)
 
 
 def _time(coords: tuple) -> Time:

@@ -1,0 +1,137 @@
+"""The public operator builder and the Frontier view, as the README shows them."""
+from __future__ import annotations
+
+import pytest
+from conftest import WORKER_COUNTS, WORKER_IDS, examples
+from hypothesis import given
+from hypothesis import strategies as st
+
+import timely
+from timely import Exchange, OperatorBuilder, Summary
+from timely.testing import run_epochs
+
+
+def split_signs(stream: timely.Stream) -> tuple[timely.Stream, timely.Stream]:
+    b = OperatorBuilder(stream.scope, "SplitSigns")
+    inp = b.new_input(stream, Exchange(None))
+    pos, positives = b.new_output()
+    neg, negatives = b.new_output()
+
+    def constructor(caps):
+        for c in caps:
+            c.drop()
+
+        def logic():
+            for cap, batch in inp:
+                pos.give_batch(cap, [x for x in batch if x >= 0])
+                neg.give_batch(cap, [x for x in batch if x < 0])
+
+        return logic
+
+    b.build(constructor)
+    return positives, negatives
+
+
+@pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
+def test_a_two_output_operator_splits_like_a_list_comprehension(workers):
+    @examples(workers, single=15, multi=3)
+    @given(epochs=st.lists(st.lists(st.integers(-9, 9), max_size=10), min_size=1, max_size=3))
+    def check(epochs):
+        def build(s):
+            positives, negatives = split_signs(s)
+            return positives.map(lambda x: ("+", x)).concat(negatives.map(lambda x: ("-", x)))
+
+        want = [(e, sorted([("+", x) for x in r if x >= 0] + [("-", x) for x in r if x < 0]))
+                for e, r in enumerate(epochs) if r]
+        assert run_epochs(build, epochs, workers=workers) == want
+
+    check()
+
+
+def test_a_delaying_summary_lets_the_operator_send_one_epoch_later():
+    def delay(stream):
+        b = OperatorBuilder(stream.scope, "Delay")
+        inp = b.new_input(stream, connection=[[Summary(1, 1)]])
+        out, delayed = b.new_output()
+
+        def constructor(caps):
+            caps[0].drop()
+
+            def logic():
+                for cap, batch in inp:
+                    with cap.delayed(cap.time + 1) as later:
+                        out.give_batch(later, list(batch))
+
+            return logic
+
+        b.build(constructor)
+        return delayed
+
+    assert run_epochs(delay, [[1, 2], [3]]) == [(1, [1, 2]), (2, [3])]
+
+
+def test_the_shape_is_frozen_after_build():
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            b = OperatorBuilder(scope, "Frozen")
+            b.new_input(inp.stream)
+            b.build(lambda caps: None)
+            with pytest.raises(timely.BuildError, match="Frozen"):
+                b.new_output()
+            with pytest.raises(timely.BuildError, match="Frozen"):
+                b.build(lambda caps: None)
+
+    timely.execute(main)
+
+
+def test_the_activator_schedules_an_operator_from_outside():
+    def main(worker):
+        runs = []
+        with worker.dataflow() as scope:
+            b = OperatorBuilder(scope, "Poller")
+            out, stream = b.new_output()
+            captured = stream.capture()
+
+            def constructor(caps):
+                held = caps[0]
+
+                def logic():
+                    runs.append(held.time)
+                    if len(runs) == 3:
+                        out.give(held, "done")
+                        held.drop()
+
+                return logic
+
+            b.build(constructor)
+            activator = b.activator
+        worker.step()
+        assert runs == []  # no input, no frontier interest: runs only when activated
+        for _ in range(3):
+            activator.activate()
+            worker.step()
+        worker.step_while(worker.has_dataflows, timeout=10)
+        return runs, captured.extract()
+
+    runs, out = timely.execute(main)[0]
+    assert runs == [0, 0, 0] and out == [(0, ["done"])]
+
+
+def test_frontier_views_are_live_and_read_only():
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            probe = inp.stream.probe()
+        view = probe.frontier
+        snapshot = list(view)
+        inp.advance_to(3)
+        worker.step_while(lambda: probe.less_than(3))
+        assert snapshot == [0] and list(view) == [3] and view == [3]
+        assert view.less_equal(3) and not view.less_than(3) and not view.is_empty()
+        inp.close()
+        worker.step_while(lambda: not probe.done())
+        assert view.is_empty() and not view and list(view) == []
+        assert not hasattr(view, "update_iter")  # a view, not the tracker's counted antichain
+
+    timely.execute(main)
