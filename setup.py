@@ -5,6 +5,7 @@ message that says so instead of a compiler traceback.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import sysconfig
@@ -12,7 +13,11 @@ import sysconfig
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-NATIVE_MODULES = ["hashing", "nexmark_gen"]  # native/<name>.pyx -> timely._native.<name>
+# native/<name>.pyx -> timely._native.<name>, with the native/*.pxi files it includes.
+NATIVE_MODULES = {
+    "hashing": ["batch.pxi", "route_bins.pxi"],
+    "nexmark_gen": [],
+}
 
 
 class CheckedBuildExt(build_ext):
@@ -26,7 +31,7 @@ class CheckedBuildExt(build_ext):
                 "in native/ need one: install gcc (Debian: apt-get install build-essential python3-dev)."
             )
         include = sysconfig.get_paths()["include"]
-        if not shutil.os.path.exists(shutil.os.path.join(include, "Python.h")):
+        if not os.path.exists(os.path.join(include, "Python.h")):
             sys.exit(f"error: Python.h not found in {include}: install the Python development headers.")
         super().run()
 
@@ -36,8 +41,9 @@ def extensions():
     from setuptools import Extension
 
     exts = [
-        Extension(f"timely._native.{name}", [f"native/{name}.pyx"], extra_compile_args=["-O3"])
-        for name in NATIVE_MODULES
+        Extension(f"timely._native.{name}", [f"native/{name}.pyx"], depends=[f"native/{d}" for d in includes],
+                  extra_compile_args=["-O3"])
+        for name, includes in NATIVE_MODULES.items()
     ]
     return cythonize(exts, language_level=3, compiler_directives={"boundscheck": False, "wraparound": False})
 

@@ -1,8 +1,12 @@
 """Process bookkeeping shared by the multi-process tests: find, reap and kill leftover children."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import signal
+import time
+from collections.abc import Iterator
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -37,3 +41,35 @@ def reap_zombies(exclude: set[int]) -> None:
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
+
+
+def kill_leftovers(before: set[int], wait: float = 5.0) -> list[tuple[int, str]]:
+    """Give the live children not in ``before`` ``wait`` seconds to exit, then SIGKILL them; reap
+    every finished one. Return those that were still alive after the wait."""
+    deadline = time.monotonic() + wait
+    reap_zombies(before)
+    left = [c for c in children(os.getpid()) if c[1] != "Z" and c[0] not in before]
+    while left and time.monotonic() < deadline:  # give exiting processes a moment
+        time.sleep(0.05)
+        reap_zombies(before)
+        left = [c for c in children(os.getpid()) if c[1] != "Z" and c[0] not in before]
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        time.sleep(0.1)
+    reap_zombies(before)
+    return left
+
+
+@contextlib.contextmanager
+def no_leftover_children() -> Iterator[None]:
+    """Make this process the reaper of orphans; on exit kill and reap every child started inside
+    the block (orphaned grandchildren included) and fail if any was still running."""
+    become_subreaper()
+    before = {pid for pid, _ in children(os.getpid())}  # not ours: e.g. other fixtures' servers
+    yield
+    left = kill_leftovers(before)
+    assert not left, f"processes left behind: {left}"

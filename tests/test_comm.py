@@ -12,34 +12,21 @@ import socket
 import time
 
 import pytest
-from procs import become_subreaper, children, reap_zombies
+from procs import no_leftover_children
 
 from timely.cluster import supervise
 from timely.comm import framing
 from timely.comm.endpoints import free_loopback_ports, hostfile_endpoints, ipc_endpoints, parse_hostfile
-from timely.comm.zmq_allocator import AddressInUse, ChannelMismatch, HandshakeError, PeerLost, ZmqAllocator
+from timely.comm.errors import AddressInUse, ChannelMismatch, HandshakeError, HostfileError, PeerLost
+from timely.comm.zmq_allocator import ZmqAllocator
+from timely.errors import TimelyError
 
 
 @pytest.fixture
 def no_leftovers():
-    """Make this process the reaper of orphans, and after the test kill + reap every child left,
-    failing the test if there was any."""
-    become_subreaper()
-    before = {pid for pid, _ in children(os.getpid())}  # not ours: e.g. other fixtures' servers
-    yield
-    deadline = time.monotonic() + 5
-    left = [c for c in children(os.getpid()) if c[0] not in before]
-    while left and time.monotonic() < deadline:  # give exiting processes a moment
-        time.sleep(0.05)
-        reap_zombies(before)
-        left = [c for c in children(os.getpid()) if c[1] != "Z" and c[0] not in before]
-    for pid, _ in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    reap_zombies(before)
-    assert not left, f"processes left behind: {left}"
+    """After the test, kill and reap every child (orphaned workers included) and fail if any."""
+    with no_leftover_children():
+        yield
 
 
 @pytest.fixture
@@ -73,6 +60,31 @@ def _drain_until(alloc, pullers, done, timeout=30.0):
         yield from puller.drain()
 
 
+def _greet_all(alloc):
+    """Every worker sends its pid to every worker on channel 0; return the pids by worker index."""
+    pushers, puller = alloc.allocate(0)
+    for p in pushers:
+        p.push((alloc.index, os.getpid()))
+    alloc.release()
+    pids: dict[int, int] = {}
+    for who, pid in _drain_until(alloc, [puller], lambda: len(pids) >= alloc.peers):
+        pids[who] = pid
+    return pids
+
+
+def _until_peer_lost(alloc, limit=20.0):
+    """Receive until :class:`PeerLost` (return it and the seconds it took) or for about ``limit``
+    seconds (return None)."""
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < limit:
+            alloc.receive()
+            alloc.await_events(None)
+    except PeerLost as exc:
+        return exc, time.monotonic() - start
+    return None
+
+
 # -- framing and endpoints (no processes) ---------------------------------------------------------
 def test_header_roundtrip_and_payload_types():
     head = framing.pack_header(framing.Kind.DATA, 7, 123456, 2**40)
@@ -87,6 +99,14 @@ def test_header_roundtrip_and_payload_types():
     with pytest.raises(TypeError):
         framing.encode(object())
     assert framing.decode(framing.encode([1, 2])) == (1, 2)  # the packer recovered
+
+
+def test_comm_errors_are_timely_errors_with_their_builtin_base():
+    for cls in (AddressInUse, ChannelMismatch, HandshakeError, PeerLost, framing.FramingError):
+        assert issubclass(cls, TimelyError) and issubclass(cls, RuntimeError)
+    assert issubclass(HostfileError, TimelyError) and issubclass(HostfileError, ValueError)
+    with pytest.raises(HostfileError, match="no hosts"):
+        parse_hostfile("# nothing\n")
 
 
 def test_hostfile_endpoints():
@@ -265,7 +285,7 @@ def test_slow_consumer_bounds_the_producer_backlog(no_leftovers, endpoints):
         try:
             pushers, puller = alloc.allocate(0)
             if index == 0:
-                peer = alloc._peers[1]
+                peer = alloc._links.peer(1)
                 worst = 0
                 start = time.monotonic()
                 for b in range(batches):
@@ -334,24 +354,11 @@ def test_killed_peer_raises_peer_lost_quickly(no_leftovers, endpoints):
     def entry(index, report):
         alloc = ZmqAllocator(index, 3, endpoints, "job")
         try:
-            pushers, puller = alloc.allocate(0)
-            for p in pushers:
-                p.push(index)
-            alloc.release()
-            hello: list[int] = []
-            for m in _drain_until(alloc, [puller], lambda: len(hello) >= 3):
-                hello.append(m)
+            _greet_all(alloc)
             if index == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
-            start = time.monotonic()
-            try:
-                while time.monotonic() - start < 20:
-                    alloc.receive()
-                    alloc.await_events(None)
-            except PeerLost as exc:
-                report((exc.peer, str(exc), time.monotonic() - start))
-                return
-            report(None)
+            lost = _until_peer_lost(alloc)
+            report(None if lost is None else (lost[0].peer, str(lost[0]), lost[1]))
         finally:
             alloc.close()
 
@@ -416,27 +423,13 @@ def test_a_silent_peer_is_detected_by_heartbeats(no_leftovers, endpoints):
     def entry(index, report):
         alloc = ZmqAllocator(index, 3, endpoints, "job", heartbeat_ivl=0.5, heartbeat_timeout=2.0)
         try:
-            pushers, puller = alloc.allocate(0)
-            for p in pushers:
-                p.push((index, os.getpid()))
-            alloc.release()
-            pids: dict[int, int] = {}
-            for who, pid in _drain_until(alloc, [puller], lambda: len(pids) >= 3):
-                pids[who] = pid
+            pids = _greet_all(alloc)
             if index == 2:
                 os.kill(os.getpid(), signal.SIGSTOP)
-            start = time.monotonic()
-            try:
-                while time.monotonic() - start < 20:
-                    alloc.receive()
-                    alloc.await_events(None)
-            except PeerLost as exc:
-                elapsed = time.monotonic() - start
-                if index == 0:
-                    os.kill(pids[2], signal.SIGKILL)  # the supervisor can only SIGKILL a stopped one
-                report(("lost worker 2" in str(exc), elapsed))
-                return
-            report(None)
+            lost = _until_peer_lost(alloc)
+            if lost is not None and index == 0:
+                os.kill(pids[2], signal.SIGKILL)  # the supervisor can only SIGKILL a stopped one
+            report(None if lost is None else ("lost worker 2" in str(lost[0]), lost[1]))
         finally:
             alloc.close()
 

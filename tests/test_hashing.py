@@ -141,14 +141,12 @@ KEY_CHOICES = [0, -2, None, lambda r: r[0]]  # -2 is field 0 of a 2-field record
 # ------------------------------------------------------------------------------------------------
 
 
-@given(ints)
-def test_hash64_ints(x):
+@pytest.mark.parametrize("values", [ints, texts, floats, keys], ids=["int", "str", "float", "nested"])
+@given(data=st.data())
+def test_hash64_matches_the_reference(values, data):
+    x = data.draw(values)
     assert H.hash64(x) == ref_hash(x)
-
-
-@given(texts)
-def test_hash64_str(s):
-    assert H.hash64(s) == ref_hash(s)
+    assert 0 <= H.hash64(x) < 2**64
 
 
 def test_hash64_str_examples():
@@ -162,17 +160,6 @@ def test_hash64_bytes_like(b):
     assert H.hash64(b) == h
     assert H.hash64(bytearray(b)) == h
     assert H.hash64(memoryview(b)) == h
-
-
-@given(floats)
-def test_hash64_floats(x):
-    assert H.hash64(x) == ref_hash(x)
-
-
-@given(keys)
-def test_hash64_nested(x):
-    assert H.hash64(x) == ref_hash(x)
-    assert 0 <= H.hash64(x) < 2**64
 
 
 def test_hash64_known_values():

@@ -16,11 +16,12 @@ import textwrap
 import time
 
 import pytest
-from procs import become_subreaper, children, reap_zombies
+from procs import no_leftover_children
 
 import timely
-from timely.cluster import WorkerError, execute_cluster
+from timely.cluster import WorkerError, WorkerOperatorError, execute_cluster
 from timely.comm.endpoints import free_loopback_ports
+from timely.errors import OperatorError, TimelyError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,29 +29,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture
 def no_leftovers():
     """After the test, kill and reap every child (orphaned workers included) and fail if any."""
-    become_subreaper()
-    before = {pid for pid, _ in children(os.getpid())}  # not ours: e.g. other fixtures' servers
-    started: list[subprocess.Popen] = []
-    yield started
-    for proc in started:  # launchers the test could not finish with
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-    deadline = time.monotonic() + 5
-    reap_zombies(before)
-    left = [c for c in children(os.getpid()) if c[1] != "Z" and c[0] not in before]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        reap_zombies(before)
-        left = [c for c in children(os.getpid()) if c[1] != "Z" and c[0] not in before]
-    for pid, _ in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    time.sleep(0.1)
-    reap_zombies(before)
-    assert not left, f"processes left behind: {left}"
+    with no_leftover_children():
+        started: list[subprocess.Popen] = []
+        yield started
+        for proc in started:  # launchers the test could not finish with
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
 
 
 def _job(tmp_path, name: str, source: str) -> str:
@@ -294,6 +279,41 @@ def test_execute_cluster_reports_the_failing_worker(no_leftovers):
     assert "test_launch.py" in info.value.remote_traceback
     assert str(info.value).startswith("worker 2 failed")
     assert time.monotonic() - start < 15
+
+
+class _JobError(Exception):
+    """An exception class with a constructor pickle cannot call back (it takes two arguments)."""
+
+    def __init__(self, what: str, n: int) -> None:
+        super().__init__(f"{what} {n}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("unpicklable", [False, True])
+def test_execute_cluster_reports_the_failing_operator(no_leftovers, unpicklable):
+    def fail(record):
+        if record == 7:
+            raise _JobError("bad record", record) if unpicklable else KeyError(record)
+        return record
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            probe = inp.stream.map(fail, name="Checker").probe()
+        if worker.index == 1:
+            inp.send_batch(list(range(10)))
+        inp.advance_to(1)
+        worker.step_while(lambda: probe.less_than(inp.time))
+
+    with pytest.raises(WorkerOperatorError) as info:
+        execute_cluster(main, 2)
+    err = info.value
+    assert isinstance(err, WorkerError) and isinstance(err, OperatorError) and isinstance(err, TimelyError)
+    assert err.index == err.worker == 1 and err.operator == "Checker"
+    if unpicklable:  # rebuilt from its text
+        assert type(err.cause) is RuntimeError and "_JobError: bad record 7" in str(err.cause)
+    else:
+        assert type(err.cause) is KeyError and err.cause.args == (7,)
 
 
 @pytest.mark.timeout(60)

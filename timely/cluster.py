@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import multiprocessing
@@ -26,14 +27,16 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .comm.endpoints import free_loopback_ports, ipc_endpoints, loopback_endpoints
-from .dataflow.operator import OperatorError
+from .comm.errors import PeerLost
+from .errors import OperatorError, TimelyError
 
-__all__ = ["WorkerError", "WorkerOperatorError", "Outcome", "supervise", "run_worker", "execute_cluster"]
+__all__ = ["WorkerError", "WorkerOperatorError", "Outcome", "supervise", "run_worker", "execute_cluster",
+           "local_endpoints"]
 
 #: Seconds a stopped worker gets between SIGTERM and SIGKILL.
 STOP_GRACE = 3.0
@@ -42,7 +45,7 @@ COLLECT_WINDOW = 0.5
 _PR_SET_PDEATHSIG = 1
 
 
-class WorkerError(RuntimeError):
+class WorkerError(TimelyError, RuntimeError):
     """A worker raised or died. ``index`` names it; ``remote_traceback`` holds its traceback text
     (``None`` if it died without one) and ``signal`` the signal that killed it, if any."""
 
@@ -56,15 +59,17 @@ class WorkerError(RuntimeError):
 
 class WorkerOperatorError(WorkerError, OperatorError):
     """User code in an operator raised on a worker process: both a :class:`WorkerError` and a
-    :class:`~timely.dataflow.operator.OperatorError` (``operator``, ``worker``, remote traceback)."""
+    :class:`~timely.errors.OperatorError` (``operator``, ``worker``, remote traceback). ``cause``
+    is the user's exception as unpickled here or, if it cannot be, a ``RuntimeError`` naming it."""
 
-    def __init__(self, index: int, message: str, remote_traceback: str | None, operator: str) -> None:
-        RuntimeError.__init__(self, message)
+    def __init__(self, index: int, message: str, remote_traceback: str | None, operator: str,
+                 cause: BaseException) -> None:
+        RuntimeError.__init__(self, message)  # neither base's __init__: the message is built already
         self.index = self.worker = index
         self.remote_traceback = remote_traceback
         self.signal = None
         self.operator = operator
-        self.cause = None
+        self.cause = cause
 
 
 @dataclass
@@ -86,6 +91,7 @@ class Outcome:
     exitcode: int | None = None
     signal: int | None = None
     operator: str | None = None  # the operator whose user code raised, if that was the failure
+    cause: BaseException | None = None  # the exception that operator's user code raised
 
     @property
     def failed(self) -> bool:
@@ -107,10 +113,12 @@ class Outcome:
 
 def signal_name(number: int | None) -> str:
     """``SIGKILL`` for 9, and so on."""
-    try:
-        return signal.Signals(number).name
-    except (ValueError, TypeError):
-        return f"signal {number}"
+    if number is not None:
+        try:
+            return signal.Signals(number).name
+        except ValueError:
+            pass
+    return f"signal {number}"
 
 
 #: Files whose frames are left out at the top of a reported traceback (the runner's own).
@@ -152,19 +160,15 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
     except _Stopped:
         code = 128 + signal.SIGTERM
     except BaseException as exc:
-        from .comm.zmq_allocator import PeerLost
-
         code = 1
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         tb = exc.__traceback__
         while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
             tb = tb.tb_next  # start the traceback at the job's code, not at the runner's frames
         text = "".join(traceback.format_exception(type(exc), exc, tb))
+        operator, cause = (exc.operator, _pickled(exc.cause)) if isinstance(exc, OperatorError) else (None, None)
         try:
-            from .dataflow.operator import OperatorError
-
-            operator = exc.operator if isinstance(exc, OperatorError) else None
-            conn.send_bytes(pickle.dumps(("error", text, summary, isinstance(exc, PeerLost), operator)))
+            conn.send_bytes(pickle.dumps(("error", text, summary, isinstance(exc, PeerLost), operator, cause)))
         except Exception:
             pass
     finally:
@@ -175,6 +179,28 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
         sys.stdout.flush()
         sys.stderr.flush()
     sys.exit(code)
+
+
+def _pickled(cause: BaseException) -> tuple[bytes | None, str]:
+    """``cause`` pickled (``None`` if it cannot be) and its one-line summary, to rebuild it with
+    :func:`_unpickled` in the parent (which may lack its class: a job file's module)."""
+    summary = "".join(traceback.format_exception_only(type(cause), cause)).strip()
+    try:
+        return pickle.dumps(cause, protocol=pickle.HIGHEST_PROTOCOL), summary
+    except Exception:
+        return None, summary
+
+
+def _unpickled(cause: tuple[bytes | None, str]) -> BaseException:
+    data, summary = cause
+    if data is not None:
+        try:
+            exc = pickle.loads(data)
+            if isinstance(exc, BaseException):
+                return exc
+        except Exception:
+            pass
+    return RuntimeError(f"{summary} (raised in a worker process)")
 
 
 def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequence[int], *,
@@ -243,13 +269,14 @@ def _read_report(conn: Any, conns: dict[Any, int], outcomes: dict[int, Outcome])
     try:
         message = pickle.loads(data)
     except Exception as exc:  # a result that cannot be unpickled here
-        message = ("error", f"the result of worker {i} cannot be unpickled: {exc!r}", repr(exc), False, None)
+        message = ("error", f"the result of worker {i} cannot be unpickled: {exc!r}", repr(exc), False, None, None)
     out = outcomes[i]
     if message[0] == "ok":
         out.result = message[1]
         out.status = "reported"  # "ok" once it also exits with status 0
     else:
-        _, out.traceback, out.summary, out.secondary, out.operator = message
+        _, out.traceback, out.summary, out.secondary, out.operator, cause = message
+        out.cause = None if cause is None else _unpickled(cause)
         out.status = "error"
 
 
@@ -340,6 +367,28 @@ def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: li
     alloc.close()
 
 
+@contextlib.contextmanager
+def local_endpoints(workers: int, transport: str, base_port: int | None = None) -> Iterator[list[str]]:
+    """The endpoints of ``workers`` workers on this host, valid inside the ``with`` block.
+
+    ``"ipc"``: Unix sockets in a private temporary directory, removed on exit; ``"tcp"``: ports on
+    127.0.0.1, from ``base_port`` on, or ports that were free a moment ago when it is ``None``.
+    """
+    if transport == "tcp":
+        if base_port is None:
+            yield [loopback_endpoints(port, 1)[0] for port in free_loopback_ports(workers)]
+        else:
+            yield loopback_endpoints(base_port, workers)
+        return
+    if transport != "ipc":
+        raise ValueError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
+    directory = tempfile.mkdtemp(prefix="timely-")
+    try:
+        yield ipc_endpoints(directory, workers)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str] | None = None, *,
                     transport: str = "ipc", timeout: float | None = None, grace: float = STOP_GRACE,
                     **options: Any) -> list[Any]:
@@ -353,25 +402,13 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}")
     token = secrets.token_hex(16)
-    directory = None
-    if transport == "ipc":
-        directory = tempfile.mkdtemp(prefix="timely-")
-        endpoints = ipc_endpoints(directory, workers)
-    elif transport == "tcp":
-        ports = free_loopback_ports(workers)
-        endpoints = [loopback_endpoints(p, 1)[0] for p in ports]
-    else:
-        raise ValueError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
     job_args = list(args or [])
+    with local_endpoints(workers, transport) as endpoints:
 
-    def entry(index: int, report: Callable[[Any], None]) -> None:
-        run_worker(main, index, workers, endpoints, token, job_args, report, **options)
+        def entry(index: int, report: Callable[[Any], None]) -> None:
+            run_worker(main, index, workers, endpoints, token, job_args, report, **options)
 
-    try:
         outcomes = supervise(entry, range(workers), grace=grace, timeout=timeout)
-    finally:
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
     if any(o.failed for o in outcomes):
         raise failure_error(outcomes)
     return [o.result for o in outcomes]
@@ -386,6 +423,6 @@ def failure_error(outcomes: list[Outcome]) -> WorkerError:
     others = [o.describe() for o in outcomes if o.failed and o is not first]
     if others:
         message += "\n\nThen: " + "; ".join(others)
-    if first.operator is not None:
-        return WorkerOperatorError(first.index, message, first.traceback, first.operator)
+    if first.operator is not None and first.cause is not None:
+        return WorkerOperatorError(first.index, message, first.traceback, first.operator, first.cause)
     return WorkerError(first.index, message, first.traceback, first.signal)

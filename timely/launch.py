@@ -20,34 +20,32 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import hashlib
 import importlib.util
 import os
 import secrets
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .cluster import Outcome, primary_failure, run_worker, supervise
-from .comm.endpoints import (
-    DEFAULT_PORT,
-    HostfileError,
-    hostfile_endpoints,
-    ipc_endpoints,
-    loopback_endpoints,
-    parse_hostfile,
-)
+from .cluster import Outcome, local_endpoints, primary_failure, run_worker, supervise
+from .comm.endpoints import DEFAULT_PORT, hostfile_endpoints, parse_hostfile
+from .comm.errors import HostfileError
+from .errors import TimelyError
 
 #: Name the job module is imported under in each worker.
 JOB_MODULE = "timely_job"
 
 
-class JobFileError(Exception):
+class JobFileError(TimelyError, ValueError):
     """A job file that cannot be run (missing, a syntax error, no ``main``)."""
+
+
+class _UsageError(TimelyError, ValueError):
+    """A command line that cannot run (reported with exit status 2, before any worker starts)."""
 
 
 def check_job(path: str) -> None:
@@ -58,7 +56,7 @@ def check_job(path: str) -> None:
     except OSError as exc:
         raise JobFileError(f"cannot read job file {path}: {exc.strerror}") from None
     try:
-        tree = compile(source, path, "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+        tree = ast.parse(source, path)
         compile(tree, path, "exec", dont_inherit=True)
     except SyntaxError as exc:
         where = f"{exc.filename or path}:{exc.lineno}" + (f":{exc.offset}" if exc.offset else "")
@@ -100,6 +98,8 @@ def load_job(path: str) -> Any:
     path = os.path.abspath(path)
     sys.path.insert(0, os.path.dirname(path))
     spec = importlib.util.spec_from_file_location(JOB_MODULE, path)
+    if spec is None or spec.loader is None:
+        raise JobFileError(f"{path}: cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[JOB_MODULE] = module
     spec.loader.exec_module(module)
@@ -146,7 +146,7 @@ def _report(outcomes: list[Outcome]) -> None:
     """Print the primary failure (with its traceback) and one line for every other failure."""
     first = primary_failure(outcomes)
     if first.status == "error":
-        sys.stderr.write(f"timely.launch: worker {first.index} failed:\n{first.traceback.rstrip()}\n")
+        sys.stderr.write(f"timely.launch: worker {first.index} failed:\n{(first.traceback or '').rstrip()}\n")
     else:
         sys.stderr.write(f"timely.launch: {first.describe()}\n")
     for o in outcomes:
@@ -161,48 +161,50 @@ class _Terminated(BaseException):
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the job on this host's workers and return the exit status."""
     opts = _parser().parse_args(argv)
-    n = opts.workers
-    if n < 1:
-        return _error(f"-w must be at least 1, not {n}")
     try:
+        if opts.workers < 1:
+            raise _UsageError(f"-w must be at least 1, not {opts.workers}")
         check_job(opts.job)
-    except JobFileError as exc:
+        with contextlib.ExitStack() as cleanup:
+            endpoints, bind, token = _addresses(opts, cleanup)
+            return _run(opts, endpoints, bind, token)
+    except (_UsageError, JobFileError, HostfileError) as exc:
         return _error(str(exc))
-    directory = None
-    bind: dict[int, str] = {}
-    if opts.hostfile:
-        if opts.transport == "ipc":
-            return _error("--transport ipc works on one host only; a hostfile needs tcp")
-        try:
-            with open(opts.hostfile) as f:
-                hosts = parse_hostfile(f.read(), opts.port, opts.hostfile)
-        except OSError as exc:
-            return _error(f"cannot read hostfile {opts.hostfile}: {exc.strerror}")
-        except HostfileError as exc:
-            return _error(str(exc))
-        if not 0 <= opts.host_index < len(hosts):
-            return _error(f"--host-index {opts.host_index} is not a line of {opts.hostfile} ({len(hosts)} hosts)")
-        endpoints = hostfile_endpoints(hosts, n)
-        host, base = hosts[opts.host_index]
-        try:
-            # ZeroMQ binds to addresses or interfaces, not names: resolve this host's own line.
-            address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-        except OSError as exc:
-            return _error(f"cannot resolve host {host!r} ({opts.hostfile}): {exc}")
-        address = f"[{address}]" if ":" in address else address
-        for local in range(n):
-            bind[opts.host_index * n + local] = f"tcp://{address}:{base + local}"
-        token = opts.token or job_token(opts.job, opts.args, hosts, n)
-    else:
+
+
+def _addresses(opts: argparse.Namespace, cleanup: contextlib.ExitStack) -> tuple[list[str], dict[int, str], str]:
+    """Every worker's endpoint, the addresses this host's workers bind (if not their endpoints)
+    and the job token. Temporary ipc directories are removed by ``cleanup``."""
+    n = opts.workers
+    if not opts.hostfile:
         if opts.host_index != 0:
-            return _error("--host-index needs --hostfile")
-        token = opts.token or secrets.token_hex(16)
-        if opts.transport == "tcp":
-            endpoints = loopback_endpoints(opts.port, n)
-        else:
-            directory = tempfile.mkdtemp(prefix="timely-")
-            endpoints = ipc_endpoints(directory, n)
-    peers = len(endpoints)
+            raise _UsageError("--host-index needs --hostfile")
+        endpoints = cleanup.enter_context(local_endpoints(n, opts.transport or "ipc", opts.port))
+        return endpoints, {}, opts.token or secrets.token_hex(16)
+    if opts.transport == "ipc":
+        raise _UsageError("--transport ipc works on one host only; a hostfile needs tcp")
+    try:
+        with open(opts.hostfile) as f:
+            hosts = parse_hostfile(f.read(), opts.port, opts.hostfile)
+    except OSError as exc:
+        raise _UsageError(f"cannot read hostfile {opts.hostfile}: {exc.strerror}") from None
+    if not 0 <= opts.host_index < len(hosts):
+        raise _UsageError(f"--host-index {opts.host_index} is not a line of {opts.hostfile} ({len(hosts)} hosts)")
+    host, base = hosts[opts.host_index]
+    try:
+        # ZeroMQ binds to addresses or interfaces, not names: resolve this host's own line.
+        address = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError as exc:
+        raise _UsageError(f"cannot resolve host {host!r} ({opts.hostfile}): {exc}") from None
+    address = f"[{address}]" if ":" in address else address
+    first = opts.host_index * n
+    bind = {first + local: f"tcp://{address}:{base + local}" for local in range(n)}
+    return hostfile_endpoints(hosts, n), bind, opts.token or job_token(opts.job, opts.args, hosts, n)
+
+
+def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], token: str) -> int:
+    """Run this host's workers; return the exit status (the failures are printed)."""
+    n, peers = opts.workers, len(endpoints)
     first = opts.host_index * n
     job, job_args = opts.job, list(opts.args)
     alloc_options = {"startup_timeout": opts.startup_timeout}
@@ -233,8 +235,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
     if any(o.failed for o in outcomes):
         _report(outcomes)
         return 1

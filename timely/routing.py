@@ -1,16 +1,17 @@
-"""Deterministic routing of records to workers, backed by the Cython hashing module."""
+"""Deterministic routing of records to workers, backed by the Cython hashing module.
+
+``hash64`` is the hash every worker agrees on; ``partition``, ``bins_of`` and ``route_bins`` route
+whole batches with it (``native/hashing.pyx`` defines all four exactly).
+"""
 from __future__ import annotations
 
 from typing import Any
 
 import msgpack
 
-from ._native import hashing as _hashing
+from ._native.hashing import bins_of, hash64, partition, route_bins
 
-hash64 = _hashing.hash64
-partition = _hashing.partition
-bins_of = _hashing.bins_of
-route_bins = _hashing.route_bins
+__all__ = ["bins_of", "hash64", "partition", "route_bins", "serialisable"]
 
 
 def serialisable(record: Any) -> bool:

@@ -14,8 +14,12 @@ Contract every allocator keeps (the progress protocol relies on it, DESIGN.md se
 """
 from __future__ import annotations
 
-from collections import deque
+import time
 from typing import Any, Protocol
+
+from .mailbox import LocalPuller, LoopbackPusher, Mailbox
+
+__all__ = ["Allocator", "LocalPuller", "LoopbackPusher", "Puller", "Pusher", "ThreadAllocator"]
 
 
 class Pusher(Protocol):
@@ -63,75 +67,34 @@ class Allocator(Protocol):
         """Release sockets and resources; the allocator cannot be used afterwards."""
 
 
-class LocalPuller:
-    """A FIFO queue of messages for one channel (used by every allocator for its receive side)."""
-
-    __slots__ = ("queue", "channel")
-
-    def __init__(self, channel: int) -> None:
-        self.channel = channel
-        self.queue: deque[Any] = deque()
-
-    def pull(self) -> Any | None:
-        """Return the next message, or ``None``."""
-        return self.queue.popleft() if self.queue else None
-
-    def drain(self) -> list[Any]:
-        """Return and remove every queued message."""
-        items = list(self.queue)
-        self.queue.clear()
-        return items
-
-
-class LoopbackPusher:
-    """Pushes straight into a puller of the same process, marking the channel as active."""
-
-    __slots__ = ("_puller", "_events")
-
-    def __init__(self, puller: LocalPuller, events: set[int]) -> None:
-        self._puller = puller
-        self._events = events
-
-    def push(self, message: Any) -> None:
-        self._puller.queue.append(message)
-        self._events.add(self._puller.channel)
-
-
 class ThreadAllocator:
     """The allocator of a single worker: every channel is a local queue, nothing is serialised."""
 
     def __init__(self) -> None:
         self.index = 0
         self.peers = 1
-        self._pullers: dict[int, LocalPuller] = {}
-        self._events: set[int] = set()
-        self._last = -1
+        self._mailbox = Mailbox(0)
 
     def allocate(self, channel: int) -> tuple[list[Pusher], Puller]:
-        if channel <= self._last:
-            raise ValueError(f"channel {channel} allocated out of creation order (last was {self._last})")
-        self._last = channel
-        puller = LocalPuller(channel)
-        self._pullers[channel] = puller
-        return [LoopbackPusher(puller, self._events)], puller
+        """Return the loopback pusher and the puller of ``channel``."""
+        puller = self._mailbox.open(channel)
+        return [self._mailbox.loopback(puller)], puller
 
     def receive(self) -> None:
-        pass
+        """Nothing to receive: every message was queued when it was pushed."""
 
     def release(self) -> None:
-        pass
+        """Nothing to flush."""
 
     def events(self) -> list[int]:
-        ev = sorted(self._events)
-        self._events.clear()
-        return ev
+        """Return (and clear) the ids of channels that received messages since the last call."""
+        return self._mailbox.take_events()
 
     def await_events(self, timeout: float | None) -> None:
-        # A single worker only receives from itself: nothing can arrive while it waits.
+        """Sleep briefly: a single worker only receives from itself, so nothing can arrive."""
         if timeout:
-            import time
-
             time.sleep(min(timeout, 0.01))
 
     def close(self) -> None:
-        self._pullers.clear()
+        """Drop every queue."""
+        self._mailbox.close()

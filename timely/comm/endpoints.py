@@ -10,15 +10,13 @@ import errno
 import os
 import socket
 
+from .errors import HostfileError
+
 #: Default first port of a host (timely's default is 2101 too).
 DEFAULT_PORT = 2101
 
 #: Longest path a Unix-domain socket address can hold on Linux (``sun_path`` minus the NUL).
 IPC_PATH_MAX = 107
-
-
-class HostfileError(ValueError):
-    """A hostfile that cannot be parsed."""
 
 
 def ipc_endpoints(directory: str, peers: int) -> list[str]:
@@ -60,7 +58,7 @@ def parse_hostfile(text: str, default_port: int = DEFAULT_PORT, source: str = "h
 
 def hostfile_endpoints(hosts: list[tuple[str, int]], workers_per_host: int) -> list[str]:
     """Return the tcp endpoint of every worker, by global index (host-major)."""
-    out = []
+    out: list[str] = []
     for host, base in hosts:
         h = f"[{host}]" if ":" in host else host
         out.extend(f"tcp://{h}:{base + local}" for local in range(workers_per_host))

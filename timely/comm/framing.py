@@ -22,6 +22,8 @@ from typing import Any
 
 import msgpack
 
+from .errors import FramingError
+
 #: Protocol version carried by every header; peers with another version are rejected.
 VERSION = 1
 
@@ -43,10 +45,6 @@ class Kind(IntEnum):
     GOODBYE = 4   #: the sender closed cleanly and will send nothing more
     ABORT = 5     #: the sender failed; payload is a one-line reason (str)
     ACK = 6       #: listener -> connector: your GOODBYE (and so everything before it) was read
-
-
-class FramingError(RuntimeError):
-    """A frame that does not follow this protocol (another program, or another version)."""
 
 
 def pack_header(kind: Kind, source: int, channel: int = 0, seq: int = 0) -> bytes:

@@ -1,0 +1,44 @@
+"""The errors of the communication layer.
+
+Each derives from :class:`timely.errors.TimelyError` and keeps a conventional builtin base
+(``RuntimeError``, or ``ValueError`` for a bad hostfile). :class:`CommError` and its subclasses are
+fatal: the job cannot continue. Nothing here knows of timestamps or dataflows.
+"""
+from __future__ import annotations
+
+from ..errors import TimelyError
+
+__all__ = ["AddressInUse", "ChannelMismatch", "CommError", "FramingError", "HandshakeError", "HostfileError",
+           "PeerLost"]
+
+
+class CommError(TimelyError, RuntimeError):
+    """A fatal communication failure: the job cannot continue."""
+
+
+class PeerLost(CommError):
+    """A peer worker failed, was killed, or became unreachable. ``peer`` is its index."""
+
+    def __init__(self, peer: int, message: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class HandshakeError(CommError):
+    """Start-up failed: a peer rejected us (another job, another size) or never answered."""
+
+
+class AddressInUse(CommError):
+    """The endpoint this worker must listen on is taken by another process."""
+
+
+class ChannelMismatch(CommError):
+    """A peer used a channel id this worker never allocated: the workers built different dataflows."""
+
+
+class FramingError(CommError):
+    """A frame that does not follow this protocol (another program, or another version)."""
+
+
+class HostfileError(TimelyError, ValueError):
+    """A hostfile that cannot be parsed."""

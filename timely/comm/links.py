@@ -1,0 +1,397 @@
+"""The ZeroMQ connections of one worker to all the others.
+
+:class:`Links` owns a worker's ZeroMQ context, its ``ROUTER`` (inbound) and one :class:`Peer`
+(``DEALER``, outbound) per other worker. It greets the peers, moves received ``DATA`` messages to a
+``deliver`` callback, sends with bounded backlogs, watches the connections and says goodbye; the
+wire protocol is described in :mod:`timely.comm.zmq_allocator`. It knows channels only as numbers
+in message headers.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .errors import ChannelMismatch, CommError, FramingError, HandshakeError, PeerLost
+from .framing import HEADER, Kind, decode, encode, pack_header, unpack_header
+from .peer import NOBLOCK, Peer, Tuning, bind_router, connect_peer, hello_rejection
+
+_RCVMORE = int(zmq.RCVMORE)
+_DATA, _GOODBYE, _ABORT = int(Kind.DATA), int(Kind.GOODBYE), int(Kind.ABORT)
+
+#: Seconds between checks of the connection monitors on the non-blocking ``receive`` path.
+WATCH_INTERVAL = 0.02
+
+#: ``deliver(source, channel, message)``: hands a received message on; may raise ChannelMismatch.
+Deliver = Callable[[int, int, Any], None]
+
+
+class Links:
+    """Worker ``index``'s connections to the workers listening on ``endpoints`` (``len(endpoints)``
+    workers, at least two). It listens on ``bind``; the constructor returns once every peer has
+    been greeted in both directions (or raises :class:`HandshakeError` after
+    ``tuning.startup_timeout`` seconds).
+    """
+
+    def __init__(self, index: int, endpoints: list[str], token: str, bind: str, deliver: Deliver,
+                 tuning: Tuning) -> None:
+        self.index = index
+        self._size = len(endpoints)
+        self._token = token
+        self._deliver = deliver
+        self._tuning = tuning
+        self._peers: dict[int, Peer] = {}  # by worker index
+        self._others: list[Peer] = []  # the same, in index order
+        self._by_rid: dict[bytes, Peer] = {}
+        self._monitors: dict[zmq.Socket, Peer] = {}
+        self._dealers: dict[zmq.Socket, Peer] = {}
+        self._backlogged: set[Peer] = set()
+        self._suspects: list[Peer] = []
+        self._rejections: list[str] = []
+        self._failure: CommError | None = None
+        self._next_watch = 0.0
+        self._closed = False
+        self._poller = zmq.Poller()  # everything: ROUTER, monitors, DEALERs (POLLOUT while backlogged)
+        self._router_poller = zmq.Poller()  # the ROUTER alone
+        self._ctx = zmq.Context(1)
+        try:
+            self._router = bind_router(self._ctx, tuning, index, bind)
+        except BaseException:
+            self._ctx.term()
+            raise
+        self._poller.register(self._router, zmq.POLLIN)
+        self._router_poller.register(self._router, zmq.POLLIN)
+        try:
+            for j, endpoint in enumerate(endpoints):
+                if j != index:
+                    self._add(connect_peer(self._ctx, tuning, index, self._size, token, j, endpoint))
+            self._handshake(time.monotonic() + tuning.startup_timeout)
+        except BaseException:
+            self._teardown(graceful=False)
+            raise
+
+    def peer(self, index: int) -> Peer:
+        """The connection to worker ``index`` (not this worker)."""
+        return self._peers[index]
+
+    # -- the allocator's calls ---------------------------------------------------------------
+    def receive(self) -> None:
+        """Deliver what has arrived (a bounded amount per call) and watch the connections."""
+        self.raise_if_failed()
+        # The hot path (every worker step) only reads the ROUTER (backlogs are retried by
+        # release); the rest (monitors, DEALER replies, POLLOUT) every WATCH_INTERVAL seconds.
+        if self._router_poller.poll(0):  # the cheapest readiness test pyzmq offers
+            self._drain_router()
+        now = time.monotonic()
+        if now >= self._next_watch:
+            self._next_watch = now + WATCH_INTERVAL
+            self._dispatch(self._poller.poll(0))
+        if self._suspects:
+            self._check_suspects()
+
+    def send_data(self, peer: Peer, channel: int, message: Any) -> None:
+        """Serialise ``message`` and send it to ``peer`` on ``channel`` (or queue it in its backlog)."""
+        if peer.goodbye:
+            return  # it closed after finishing every dataflow: nothing it could still need
+        try:
+            payload = encode(message)
+        except Exception as exc:
+            raise TypeError(f"cannot send a message to worker {peer.index} on channel {channel}: "
+                            f"{exc} (messages must be msgpack-serialisable)") from exc
+        head = pack_header(Kind.DATA, self.index, channel, peer.send_seq)
+        peer.send_seq += 1
+        self._send(peer, head, payload)
+
+    def release(self) -> None:
+        """Flush the backlogs; while one is over its bound, wait for room (receiving meanwhile)."""
+        self.raise_if_failed()
+        for peer in list(self._backlogged):
+            self._flush(peer)
+        if self._backlogged and self._over_bound():
+            self._wait_until(lambda: not self._over_bound(), None)
+
+    def wait_for_message(self, timeout: float | None) -> None:
+        """Park until a message arrives or ``timeout`` seconds pass, flushing backlogs meanwhile
+        (a parked worker must not withhold data or progress its peers wait for)."""
+        self.raise_if_failed()
+        self._wait_until(lambda: False, timeout, wake_on_message=True)
+
+    def fail(self, error: CommError) -> NoReturn:
+        """Record ``error`` (every later call raises it again, ``close`` aborts) and raise it."""
+        self._failure = error
+        raise error
+
+    def raise_if_failed(self) -> None:
+        """Raise the recorded failure, or :class:`CommError` once closed."""
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise CommError(f"worker {self.index}: the allocator is closed")
+
+    def close(self, abort: str | None = None) -> None:
+        """Say goodbye (or, with ``abort`` or after a failure, tell the peers why) and close."""
+        if self._closed:
+            return
+        graceful = abort is None and self._failure is None
+        try:
+            if graceful:
+                self._say_goodbye()
+            else:
+                self._send_abort(abort or str(self._failure) or "communication failure")
+        finally:
+            self._teardown(graceful)
+
+    # -- handshake ---------------------------------------------------------------------------
+    def _add(self, peer: Peer) -> None:
+        self._peers[peer.index] = peer
+        self._others.append(peer)
+        self._monitors[peer.monitor] = peer
+        self._dealers[peer.dealer] = peer
+        self._poller.register(peer.monitor, zmq.POLLIN)
+        self._poller.register(peer.dealer, zmq.POLLIN)  # POLLOUT is added while it has a backlog
+
+    def _handshake(self, deadline: float) -> None:
+        while True:
+            # A peer that already said GOODBYE needs no WELCOME: it may have finished and closed
+            # its ROUTER (and dropped our WELCOME) while ours was still in flight.
+            no_welcome = [p.index for p in self._others if not (p.welcomed or p.goodbye)]
+            no_hello = [p.index for p in self._others if not p.hello]
+            if not no_welcome and not no_hello:
+                return
+            self.raise_if_failed()
+            self._check_suspects()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                silent = sorted(set(no_welcome + no_hello))
+                msg = (f"worker {self.index}: start-up timed out; no answer from workers {no_welcome}, "
+                       f"no greeting from workers {no_hello} (endpoints: "
+                       + ", ".join(self._peers[j].endpoint for j in silent) + ")")
+                if self._rejections:
+                    msg += "; rejected connections: " + "; ".join(self._rejections)
+                raise HandshakeError(msg)
+            self._dispatch(self._poller.poll(int(min(remaining, 0.2) * 1000) + 1))
+
+    def _on_dealer(self, peer: Peer) -> None:
+        """Handle what a listener sends back on our DEALER: WELCOME / REJECT, and ACK at the end."""
+        while True:
+            try:
+                frames = peer.dealer.recv_multipart(NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                kind, _, _, _ = unpack_header(frames[0])
+                body = decode(frames[1]) if len(frames) == 2 else None
+            except (FramingError, ValueError, IndexError) as exc:
+                raise HandshakeError(f"worker {self.index}: {peer.endpoint} (worker {peer.index}) "
+                                     f"does not speak this protocol: {exc}") from None
+            if kind == Kind.WELCOME:
+                peer.welcomed = True
+            elif kind == Kind.ACK:
+                peer.acked = True
+            elif kind == Kind.REJECT:
+                raise HandshakeError(f"worker {self.index}: the process listening on {peer.endpoint} "
+                                     f"(worker {peer.index}'s address) rejected us: {body}")
+
+    def _on_stranger(self, rid: bytes) -> None:
+        """A message from a connection that has not greeted us: only a HELLO is acceptable."""
+        frames = [rid]
+        while self._router.getsockopt(_RCVMORE):
+            frames.append(self._router.recv(NOBLOCK))
+        if len(frames) != 3:
+            return  # not our protocol
+        try:
+            kind, source, _, _ = unpack_header(frames[1])
+        except FramingError:
+            return
+        if kind != Kind.HELLO:
+            return
+        try:
+            info = decode(frames[2])
+        except Exception:
+            info = None
+        peer = self._peers.get(source)
+        reason = hello_rejection(info, source, self._token, self._size, peer)
+        if reason is not None or peer is None:  # (a reason is always given when peer is None)
+            self._rejections.append(f"a connection claiming to be worker {source}: {reason}")
+            self._router_send(rid, Kind.REJECT, encode(reason))
+            return
+        peer.rid = rid
+        peer.hello = True
+        self._by_rid[rid] = peer
+        self._router_send(rid, Kind.WELCOME, encode(None))
+
+    def _router_send(self, rid: bytes, kind: Kind, payload: bytes) -> None:
+        try:
+            self._router.send_multipart([rid, pack_header(kind, self.index), payload], NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the connector vanished (EHOSTUNREACH) or is flooded: it will time out on its own
+
+    # -- receiving ---------------------------------------------------------------------------
+    def _drain_router(self) -> None:
+        recv = self._router.recv
+        by_rid = self._by_rid
+        deliver = self._deliver
+        unpack = HEADER.unpack
+        budget = self._tuning.receive_bytes
+        for _ in range(self._tuning.receive_batch):
+            if budget <= 0:
+                return
+            try:
+                rid = recv(NOBLOCK)
+            except zmq.Again:
+                return
+            peer = by_rid.get(rid)
+            if peer is None:
+                self._on_stranger(rid)
+                continue
+            # Invariant: a routing id is bound to one of our DEALERs at its HELLO, and our DEALERs
+            # always send exactly two frames (header, payload), so no RCVMORE check is needed.
+            head = recv(NOBLOCK)
+            payload = recv(NOBLOCK)
+            budget -= len(payload)
+            if len(head) != HEADER.size:
+                self.fail(CommError(f"worker {self.index}: corrupt header from worker {peer.index}"))
+            version, kind, _source, channel, seq = unpack(head)
+            if kind == _DATA:
+                if seq != peer.recv_seq:
+                    self.fail(CommError(f"worker {self.index}: message {seq} from worker {peer.index} arrived "
+                                        f"when {peer.recv_seq} was expected (lost or duplicated message)"))
+                peer.recv_seq = seq + 1
+                try:
+                    deliver(peer.index, channel, decode(payload))
+                except ChannelMismatch as exc:
+                    self.fail(exc)
+                if peer.dropped:
+                    # Its data still flows in (it is lingering to deliver it): not lost yet.
+                    peer.lost_deadline = time.monotonic() + self._tuning.goodbye_grace
+            elif kind == _GOODBYE:
+                peer.goodbye = True
+                self._drop_backlog(peer)
+                # It waits for this before closing its sockets: it has delivered everything to us.
+                self._router_send(rid, Kind.ACK, encode(None))
+            elif kind == _ABORT:
+                self.fail(PeerLost(peer.index, f"worker {self.index}: worker {peer.index} failed: "
+                                               f"{decode(payload)}"))
+
+    def _on_monitor(self, peer: Peer) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(peer.monitor, NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED and not peer.goodbye and not peer.dropped:
+                # Its GOODBYE travels on the other connection of the pair: give it a moment.
+                peer.lost_deadline = time.monotonic() + self._tuning.goodbye_grace
+                self._suspects.append(peer)
+
+    def _check_suspects(self) -> None:
+        now = time.monotonic()
+        for peer in self._suspects:
+            if not peer.goodbye and now >= peer.lost_deadline:
+                self.fail(PeerLost(peer.index, (
+                    f"worker {self.index}: lost worker {peer.index} ({peer.endpoint}): its connection closed "
+                    "without a goodbye (the worker crashed or was killed, or the network failed)")))
+        self._suspects = [p for p in self._suspects if not p.goodbye]
+
+    # -- sending -----------------------------------------------------------------------------
+    def _send(self, peer: Peer, head: bytes, payload: bytes) -> None:
+        if peer.send(head, payload):  # it has a backlog now: watch for room
+            self._backlogged.add(peer)
+            self._poller.register(peer.dealer, zmq.POLLIN | zmq.POLLOUT)
+
+    def _flush(self, peer: Peer) -> None:
+        if peer.flush():
+            self._unwatch(peer)
+
+    def _drop_backlog(self, peer: Peer) -> None:
+        peer.drop_backlog()
+        if peer in self._backlogged:
+            self._unwatch(peer)
+
+    def _unwatch(self, peer: Peer) -> None:
+        self._backlogged.discard(peer)
+        self._poller.register(peer.dealer, zmq.POLLIN)
+
+    def _over_bound(self) -> bool:
+        bound = self._tuning.backlog_bytes
+        return any(p.backlog_bytes > bound for p in self._backlogged)
+
+    # -- polling -----------------------------------------------------------------------------
+    def _dispatch(self, ready: list[tuple[Any, int]], drain: bool = True) -> bool:
+        """Handle poll results; return True if the ROUTER has messages (drained if ``drain``)."""
+        inbound = False
+        for sock, flags in ready:
+            if sock is self._router:
+                inbound = True
+                if drain:
+                    self._drain_router()
+            elif sock in self._monitors:
+                self._on_monitor(self._monitors[sock])
+            else:
+                peer = self._dealers[sock]
+                if flags & zmq.POLLIN:
+                    self._on_dealer(peer)
+                if flags & zmq.POLLOUT:
+                    self._flush(peer)
+        return inbound
+
+    def _wait_until(self, done: Callable[[], bool], timeout: float | None, wake_on_message: bool = False) -> bool:
+        """Poll (receiving, flushing, watching peers) until ``done()``, a message arrives with
+        ``wake_on_message``, or ``timeout`` seconds pass. Return ``done()``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            now = time.monotonic()
+            wait = None if deadline is None else max(0.0, deadline - now)
+            if self._suspects:
+                first = max(0.0, min(p.lost_deadline for p in self._suspects) - now)
+                wait = first if wait is None else min(wait, first)
+            ready = self._poller.poll(None if wait is None else int(wait * 1000) + 1)
+            woke = self._dispatch(ready, drain=not wake_on_message) and wake_on_message
+            if self._suspects:
+                self._check_suspects()
+            if woke or (deadline is not None and time.monotonic() >= deadline):
+                break
+        return done()
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def _say_goodbye(self) -> None:
+        goodbye = encode(None)
+        for peer in self._others:
+            if not peer.goodbye and not peer.dropped:
+                self._send(peer, pack_header(Kind.GOODBYE, self.index), goodbye)
+        try:
+            # Keep receiving while waiting: a peer blocked sending to us must be able to finish,
+            # and its GOODBYE must be acknowledged.
+            ok = self._wait_until(lambda: all(p.settled for p in self._others), self._tuning.close_timeout)
+        except CommError:
+            return  # a peer failed meanwhile: its own failure is reported where it ran
+        if not ok:
+            waiting = [p.index for p in self._others if not p.settled]
+            sys.stderr.write(f"timely: worker {self.index}: workers {waiting} did not acknowledge the end of "
+                             f"the job within {self._tuning.close_timeout} s; closing anyway\n")
+
+    def _send_abort(self, reason: str) -> None:
+        payload = encode(reason.splitlines()[0][:500] if reason else "failed")
+        for peer in self._others:
+            if not peer.goodbye:
+                try:
+                    peer.dealer.send_multipart((pack_header(Kind.ABORT, self.index), payload), NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # its queue is full or gone: it will see the connection drop instead
+
+    def _teardown(self, graceful: bool) -> None:
+        self._closed = True
+        # After a graceful goodbye every settled peer has read all we sent: nothing needs to
+        # linger on its DEALER. Otherwise a short linger still lets a final ABORT (or ACK) out;
+        # ctx.term() waits for that, bounded by the linger.
+        for peer in self._others:
+            peer.close(0 if graceful and peer.settled else 500)
+        self._router.close(500)  # WELCOME / REJECT / ACK replies travel here
+        self._ctx.term()
+
+    def __repr__(self) -> str:
+        return f"Links(index={self.index}, workers={self._size})"

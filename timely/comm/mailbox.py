@@ -1,0 +1,122 @@
+"""The receive side of one worker's channels: per-channel queues and the channels with news.
+
+Every allocator keeps one :class:`Mailbox`. A remote allocator hands it each decoded message with
+:meth:`Mailbox.deliver`; a push to this worker itself goes straight into the channel's queue
+through a :class:`LoopbackPusher`, by reference. A peer may run ahead and send on a channel this
+worker has not allocated yet: those messages wait in the mailbox until the channel is allocated.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from .errors import ChannelMismatch
+
+
+class LocalPuller:
+    """A FIFO queue of messages for one channel (used by every allocator for its receive side)."""
+
+    __slots__ = ("queue", "channel")
+
+    def __init__(self, channel: int) -> None:
+        self.channel = channel
+        self.queue: deque[Any] = deque()
+
+    def pull(self) -> Any | None:
+        """Return the next message, or ``None``."""
+        return self.queue.popleft() if self.queue else None
+
+    def drain(self) -> list[Any]:
+        """Return and remove every queued message."""
+        items = list(self.queue)
+        self.queue.clear()
+        return items
+
+
+class LoopbackPusher:
+    """Pushes straight into a puller of the same process, marking the channel as active."""
+
+    __slots__ = ("_puller", "_events")
+
+    def __init__(self, puller: LocalPuller, events: set[int]) -> None:
+        self._puller = puller
+        self._events = events
+
+    def push(self, message: Any) -> None:
+        """Queue ``message`` (by reference: it must not be mutated afterwards)."""
+        self._puller.queue.append(message)
+        self._events.add(self._puller.channel)
+
+
+class Mailbox:
+    """The pullers of worker ``index``, by channel, and the set of channels that received messages.
+
+    ``events`` is shared with the :class:`LoopbackPusher` objects this mailbox hands out.
+    """
+
+    __slots__ = ("index", "events", "_pullers", "_last", "_pending", "_pending_from")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.events: set[int] = set()
+        self._pullers: dict[int, LocalPuller] = {}
+        self._last = -1  # the last channel allocated; channels are allocated in increasing order
+        self._pending: dict[int, list[Any]] = {}  # messages for channels not allocated yet
+        self._pending_from: dict[int, int] = {}  # the first worker that sent on such a channel
+
+    def open(self, channel: int) -> LocalPuller:
+        """Create the puller of ``channel``, holding whatever peers already sent on it.
+
+        ``channel`` must be larger than every channel opened before (``ValueError`` otherwise). A
+        message waiting for a smaller channel that was skipped raises :class:`ChannelMismatch`.
+        """
+        if channel <= self._last:
+            raise ValueError(f"channel {channel} allocated out of creation order (last was {self._last})")
+        early = [c for c in self._pending if c < channel]
+        if early:
+            raise self._mismatch(early[0], channel, self._pending_from[early[0]])
+        self._last = channel
+        puller = self._pullers[channel] = LocalPuller(channel)
+        # A peer may be ahead of us: what it already sent on this channel is waiting here.
+        waiting = self._pending.pop(channel, None)
+        self._pending_from.pop(channel, None)
+        if waiting:
+            puller.queue.extend(waiting)
+            self.events.add(channel)
+        return puller
+
+    def loopback(self, puller: LocalPuller) -> LoopbackPusher:
+        """A pusher from this worker to itself on ``puller``'s channel."""
+        return LoopbackPusher(puller, self.events)
+
+    def deliver(self, source: int, channel: int, message: Any) -> None:
+        """Queue ``message`` from worker ``source``; raise :class:`ChannelMismatch` if ``channel``
+        was skipped by this worker (it can never be allocated any more)."""
+        puller = self._pullers.get(channel)
+        if puller is not None:
+            puller.queue.append(message)
+            self.events.add(channel)
+        elif channel > self._last:
+            if channel not in self._pending:  # the sender is ahead of us
+                self._pending[channel] = []
+                self._pending_from[channel] = source
+            self._pending[channel].append(message)
+        else:
+            raise self._mismatch(channel, self._last, source)
+
+    def take_events(self) -> list[int]:
+        """Return (and clear) the ids of channels that received messages since the last call."""
+        ev = sorted(self.events)
+        self.events.clear()
+        return ev
+
+    def close(self) -> None:
+        """Drop every queue."""
+        self._pullers.clear()
+        self._pending.clear()
+
+    def _mismatch(self, channel: int, allocated: int, source: int) -> ChannelMismatch:
+        return ChannelMismatch(
+            f"worker {self.index}: worker {source} sent a message on channel {channel}, which this worker "
+            f"never allocated (it has reached channel {allocated}); channels are matched by creation order, "
+            "so every worker must build the same dataflows in the same order")

@@ -1,0 +1,208 @@
+"""One worker's connection to another: socket set-up, the outbound queue and the handshake checks.
+
+A worker reaches peer ``j`` through one ``DEALER`` socket connected to ``j``'s ``ROUTER``
+(:class:`Peer`), so each ordered pair of workers has exactly one connection and it is FIFO.
+
+Backpressure. Sends are non-blocking. What ZeroMQ cannot take (its queue to a peer holds ``hwm``
+messages) waits in the peer's backlog, in order; :meth:`Peer.flush` sends it once ZeroMQ has
+room. Bounding the backlog (waiting while receiving) is the allocator's job.
+"""
+from __future__ import annotations
+
+import hmac
+import math
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from .endpoints import ipc_path_in_use
+from .errors import AddressInUse, CommError
+from .framing import HEADER, VERSION, Kind, encode, pack_header
+
+# Plain ints: pyzmq's enum flags cost microseconds per operation on the hot path.
+NOBLOCK = int(zmq.NOBLOCK)
+NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The settings of a worker's connections; :class:`~timely.comm.zmq_allocator.ZmqAllocator`
+    documents each (and gives their defaults). ``heartbeat_ivl`` 0 turns ZMTP heartbeats off."""
+
+    hwm: int
+    backlog_bytes: int
+    startup_timeout: float
+    heartbeat_ivl: float
+    heartbeat_timeout: float
+    goodbye_grace: float
+    close_timeout: float
+    receive_batch: int
+    receive_bytes: int
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Set the socket options (queue bounds, heartbeats) on ``sock``, before it binds or connects."""
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        if self.heartbeat_ivl > 0:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.heartbeat_ivl * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.heartbeat_timeout * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.heartbeat_timeout * 10) * 100)  # a multiple of 100 ms
+
+
+class Peer:
+    """Another worker, seen from this one: its ``DEALER`` (with a disconnect monitor), the backlog
+    of messages ZeroMQ could not take yet, sequence numbers and handshake / goodbye state."""
+
+    __slots__ = ("index", "endpoint", "dealer", "monitor", "backlog", "backlog_bytes", "send_seq",
+                 "recv_seq", "rid", "hello", "welcomed", "goodbye", "acked", "lost_deadline")
+
+    def __init__(self, index: int, endpoint: str, dealer: zmq.Socket, monitor: zmq.Socket) -> None:
+        self.index = index
+        self.endpoint = endpoint
+        self.dealer = dealer
+        self.monitor = monitor
+        # Frames ZeroMQ could not take yet, oldest first; sent strictly in this order (FIFO).
+        self.backlog: deque[tuple[bytes, bytes]] = deque()
+        self.backlog_bytes = 0
+        self.send_seq = 0          # next DATA sequence number we send to this peer
+        self.recv_seq = 0          # next DATA sequence number we expect from this peer
+        self.rid: bytes | None = None  # routing id of its inbound connection on our ROUTER
+        self.hello = False         # it greeted our ROUTER
+        self.welcomed = False      # its ROUTER accepted our DEALER
+        self.goodbye = False       # it closed cleanly: it sends and needs nothing more
+        self.acked = False         # it read our GOODBYE (and so all our data)
+        # When its connection dropped, the time it is declared lost unless it says GOODBYE first;
+        # infinite while connected.
+        self.lost_deadline = math.inf
+
+    @property
+    def dropped(self) -> bool:
+        """Its connection dropped (it may still say goodbye before its deadline)."""
+        return self.lost_deadline != math.inf
+
+    @property
+    def settled(self) -> bool:
+        """It needs nothing more from us: it read our GOODBYE, said its own, or is gone."""
+        return self.acked or self.goodbye or self.dropped
+
+    def send(self, head: bytes, payload: bytes) -> bool:
+        """Send one message now, or queue it behind older ones. Return True when this started a
+        backlog (the caller then watches the ``DEALER`` for room)."""
+        # FIFO: a message goes straight out only when nothing older is waiting for this peer.
+        if self.backlog:
+            self._queue(head, payload)
+            return False
+        send = self.dealer.send
+        try:
+            # EAGAIN is only possible on the first frame: once it is taken, ZeroMQ takes the
+            # whole multipart message (atomic delivery), so a message is never half-sent.
+            send(head, NOBLOCK_MORE)
+        except zmq.Again:
+            self._queue(head, payload)
+            return True
+        send(payload, 0, copy=False)
+        return False
+
+    def flush(self) -> bool:
+        """Send as much of the backlog as ZeroMQ takes; return True once it is empty."""
+        backlog = self.backlog
+        send = self.dealer.send
+        try:
+            while backlog:
+                head, payload = backlog[0]
+                send(head, NOBLOCK_MORE)  # as in send: only the first frame can fail
+                send(payload, 0, copy=False)
+                backlog.popleft()
+                self.backlog_bytes -= len(payload) + HEADER.size
+        except zmq.Again:
+            return False
+        return True
+
+    def drop_backlog(self) -> None:
+        """Forget the backlog: the peer said goodbye and needs nothing more."""
+        self.backlog.clear()
+        self.backlog_bytes = 0
+
+    def close(self, linger_ms: int) -> None:
+        """Close the monitor and the ``DEALER`` (which may linger ``linger_ms`` to send its last)."""
+        try:
+            self.dealer.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(0)
+        self.dealer.close(linger_ms)
+
+    def _queue(self, head: bytes, payload: bytes) -> None:
+        self.backlog.append((head, payload))
+        self.backlog_bytes += len(payload) + HEADER.size
+
+
+def connect_peer(ctx: zmq.Context, tuning: Tuning, me: int, peers: int, token: str,
+                 index: int, endpoint: str) -> Peer:
+    """Connect a ``DEALER`` from worker ``me`` to worker ``index`` and queue our ``HELLO`` on it."""
+    dealer = ctx.socket(zmq.DEALER)
+    tuning.apply(dealer)
+    peer = Peer(index, endpoint, dealer, dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+    try:
+        dealer.connect(endpoint)
+    except zmq.ZMQError as exc:
+        peer.close(0)
+        raise CommError(f"worker {me}: cannot connect to worker {index} at {endpoint}: {exc}") from None
+    hello = encode({"token": token, "index": me, "peers": peers, "version": VERSION})
+    # Queued until the connection is up (ZMQ_IMMEDIATE is off), then sent first.
+    dealer.send_multipart([pack_header(Kind.HELLO, me), hello], NOBLOCK)
+    return peer
+
+
+def bind_router(ctx: zmq.Context, tuning: Tuning, me: int, address: str) -> zmq.Socket:
+    """Bind worker ``me``'s ``ROUTER`` on ``address``; raise :class:`AddressInUse` if it is taken."""
+    router = ctx.socket(zmq.ROUTER)
+    tuning.apply(router)
+    # ROUTER_MANDATORY: a reply that cannot be routed fails instead of vanishing silently.
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    where = f"worker {me} cannot listen on {address}"
+    try:
+        if address.startswith("ipc://"):
+            path = address[len("ipc://"):]
+            if ipc_path_in_use(path):
+                raise AddressInUse(f"{where}: another process is listening there "
+                                   "(another job using the same ipc directory?)")
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            router.bind(address)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EADDRINUSE:
+                raise AddressInUse(f"{where}: address already in use (another job on this port? "
+                                   "choose another base port)") from None
+            raise CommError(f"{where}: {exc}") from None
+    except BaseException:
+        router.close(0)
+        raise
+    return router
+
+
+def hello_rejection(info: Any, source: int, token: str, peers: int, peer: Peer | None) -> str | None:
+    """Why a ``HELLO`` claiming to come from worker ``source`` must be rejected, or ``None``.
+
+    ``info`` is its decoded payload, ``peer`` our state for ``source`` (``None`` if no such
+    worker). A peer of another job (another token) is rejected, so jobs never cross-talk.
+    """
+    if not isinstance(info, dict):
+        info = {}
+    claimed = info.get("token")
+    if not isinstance(claimed, str) or not hmac.compare_digest(claimed.encode(), token.encode()):
+        return "wrong job token (the connection belongs to another job)"
+    if info.get("version") != VERSION:
+        return f"protocol version {info.get('version')}, expected {VERSION}"
+    if info.get("peers") != peers:
+        return f"job size mismatch: this job has {peers} workers, the peer expects {info.get('peers')}"
+    if peer is None or info.get("index") != source:
+        return f"bad worker index {source}"
+    if peer.hello:
+        return f"worker {source} is already connected"
+    return None
