@@ -178,19 +178,6 @@ def state_machine(stream: Stream, control: Any, key: Any, fold: Callable, k: int
     ``key`` picks the routing key from the record (default: field 0, the pair's key).
     """
 
-    def logic(time: Any, records: list, timers: list, state: dict, notificator: Any) -> list:
-        out: list = []
-        get = state.get
-        for k, v in records:
-            new, outputs = fold(k, v, get(k))
-            if new is None:
-                state.pop(k, None)
-            else:
-                state[k] = new
-            if outputs:
-                out.extend(outputs)
-        return out
-
     def apply(state: dict, record: Any, out: list) -> None:
         k, v = record
         new, outputs = fold(k, v, state.get(k))
@@ -200,5 +187,11 @@ def state_machine(stream: Stream, control: Any, key: Any, fold: Callable, k: int
             state[k] = new
         if outputs:
             out.extend(outputs)
+
+    def logic(time: Any, records: list, timers: list, state: dict, notificator: Any) -> list:
+        out: list = []
+        for record in records:
+            apply(state, record, out)
+        return out
 
     return _build([stream], control, [0 if key is None else key], logic, k, name, chunk, per_record=apply)

@@ -16,16 +16,25 @@ Key = Callable[[Any], Any] | int | None
 
 
 class Pact:
-    """How records of an edge are distributed among workers."""
+    """How records of an edge are distributed among workers.
+
+    ``channel(df, target)`` makes the sending end of an edge into input port ``target`` of dataflow
+    ``df``; with a single worker every pact is a pipeline. Subclasses implement :meth:`remote`.
+    """
 
     def channel(self, df: Any, target: Any) -> Channel:
+        """The sending end of an edge into ``target``."""
+        return PipelineChannel(target) if df.peers == 1 else self.remote(df, target)
+
+    def remote(self, df: Any, target: Any) -> Channel:
+        """The sending end of an edge that crosses workers."""
         raise NotImplementedError
 
 
 class Pipeline(Pact):
     """Records stay on the worker that produced them."""
 
-    def channel(self, df: Any, target: Any) -> Channel:
+    def remote(self, df: Any, target: Any) -> Channel:
         return PipelineChannel(target)
 
     def __repr__(self) -> str:
@@ -44,9 +53,7 @@ class Exchange(Pact):
             raise TypeError(f"exchange key must be a field index, a function or None, not {key!r}")
         self.key = key
 
-    def channel(self, df: Any, target: Any) -> Channel:
-        if df.peers == 1:
-            return PipelineChannel(target)
+    def remote(self, df: Any, target: Any) -> Channel:
         return ExchangeChannel(df, target, self.key)
 
     def __repr__(self) -> str:
@@ -57,9 +64,7 @@ class Exchange(Pact):
 class Broadcast(Pact):
     """Every record goes to every worker."""
 
-    def channel(self, df: Any, target: Any) -> Channel:
-        if df.peers == 1:
-            return PipelineChannel(target)
+    def remote(self, df: Any, target: Any) -> Channel:
         return BroadcastChannel(df, target)
 
     def __repr__(self) -> str:
@@ -76,9 +81,7 @@ class Distribute(Pact):
     def __init__(self, partitioner: Callable[[Any, Sequence, int], list]) -> None:
         self.partitioner = partitioner
 
-    def channel(self, df: Any, target: Any) -> Channel:
-        if df.peers == 1:
-            return PipelineChannel(target)
+    def remote(self, df: Any, target: Any) -> Channel:
         return DistributeChannel(df, target, self.partitioner)
 
     def __repr__(self) -> str:
