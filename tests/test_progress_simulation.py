@@ -115,17 +115,22 @@ class SimAllocator:
         self.net, self.index, self.peers = net, index, net.peers
         self.pullers: dict[int, LocalPuller] = {}
         self.early: dict[int, list] = {}
+        self.arrived: set[int] = set()  # channels that received messages since events() was last called
         self.receives = 0  # how many times the worker looked for messages (once per step)
         net.allocators.append(self)
 
     def allocate(self, channel: int):
         puller = self.pullers[channel] = LocalPuller(channel)
-        puller.queue.extend(self.early.pop(channel, []))
+        early = self.early.pop(channel, [])
+        if early:
+            puller.queue.extend(early)
+            self.arrived.add(channel)
         return [_SimPusher(self, t, channel) for t in range(self.peers)], puller
 
     def arrive(self, channel: int, message: Any) -> None:
         if channel in self.pullers:
             self.pullers[channel].queue.append(message)
+            self.arrived.add(channel)
         else:
             self.early.setdefault(channel, []).append(message)
 
@@ -136,7 +141,9 @@ class SimAllocator:
         pass
 
     def events(self) -> list[int]:
-        return []
+        events = sorted(self.arrived)
+        self.arrived.clear()
+        return events
 
     def await_events(self, timeout: float | None) -> None:
         pass

@@ -90,10 +90,10 @@ class Worker:
         """Do one round of work; if there was none, wait up to ``timeout`` seconds for messages."""
         alloc = self.allocator
         alloc.receive()
-        alloc.events()
+        events = alloc.events()  # the channels that received messages: only their pullers are read
         did = False
         for df in self._dataflows:
-            did = df.step() or did
+            did = df.step(events) or did
         alloc.release()
         if any(df.complete() for df in self._dataflows):
             self._dataflows = [df for df in self._dataflows if not df.complete()]

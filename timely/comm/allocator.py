@@ -58,7 +58,11 @@ class Allocator(Protocol):
         """Flush queued sends to the network."""
 
     def events(self) -> list[int]:
-        """Return (and clear) the ids of channels that received messages since the last call."""
+        """Return (and clear) the ids of channels that received messages since the last call.
+
+        The worker reads only these channels' pullers: a channel whose puller holds a message must
+        be reported (once) after the message was queued, or the message is never read.
+        """
 
     def await_events(self, timeout: float | None) -> None:
         """Block until a message arrives or ``timeout`` seconds pass (``None``: no limit)."""

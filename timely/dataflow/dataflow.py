@@ -7,6 +7,7 @@ whole dataflow. The build phase ends at :meth:`Dataflow.freeze`; the structure i
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BuildError, ProgressMismatchError, ProgressOrderError
@@ -35,7 +36,7 @@ class Dataflow:
         self.edges: list[tuple[Location, Location, str]] = []
         self.tracker: Tracker | None = None
         self.digest = 0
-        self._pullers: list[tuple[Any, InputPort]] = []
+        self._pullers: dict[int, tuple[Any, InputPort]] = {}  # channel id -> (puller, the input it feeds)
         self._inputs: list[Any] = []  # InputHandles, flushed at each step
         self._unbuilt: set[int] = set()
         self._loops: list[Any] = []
@@ -60,8 +61,9 @@ class Dataflow:
 
     def allocate_channel(self, target: InputPort) -> tuple[list[Any], Any]:
         """Allocate a worker-to-worker channel delivering into ``target``."""
-        pushers, puller = self.worker.allocate(self.worker.new_channel())
-        self._pullers.append((puller, target))
+        channel = self.worker.new_channel()
+        pushers, puller = self.worker.allocate(channel)
+        self._pullers[channel] = (puller, target)
         return pushers, puller
 
     def connect(self, stream: Stream, port: InputPort, pact: Pact) -> None:
@@ -120,8 +122,13 @@ class Dataflow:
         """Seconds until the next delayed activation (None: no timer pending)."""
         return self.ctx.activations.next_timer()
 
-    def step(self) -> bool:
-        """Receive, propagate, schedule active operators, send progress. True if anything happened."""
+    def step(self, events: Iterable[int]) -> bool:
+        """Receive, propagate, schedule active operators, send progress. True if anything happened.
+
+        ``events`` are the channels that received messages since the last step (the allocator's
+        events): only their pullers are read, and reading them activates the operators they feed.
+        The progress channel is read every step.
+        """
         activations = self.ctx.activations
         operators = self.operators
         did = False
@@ -133,11 +140,15 @@ class Dataflow:
             for loc, _t, _d in self.tracker.propagate_all():  # type: ignore[union-attr]
                 if not loc.source and operators[loc.node].frontier_interest:
                     activations.activate(loc.node)
-        for puller, port in self._pullers:
-            msg = puller.pull()
-            while msg is not None:
-                port.deliver(msg[0], msg[1])
+        pullers = self._pullers
+        for channel in events:
+            entry = pullers.get(channel)
+            if entry is not None:
+                puller, port = entry
                 msg = puller.pull()
+                while msg is not None:
+                    port.deliver(msg[0], msg[1])  # queues the batch and activates the operator
+                    msg = puller.pull()
         for i in activations.run_order():
             did = True
             operators[i].schedule()
