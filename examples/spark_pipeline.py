@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import spark_bridge
 import timely
@@ -79,7 +80,7 @@ def main(worker: timely.Worker):
         # Keep the control input in step with the source's epochs (Megaphone's F holds a record at t
         # until the control frontier passes t); after epoch 0 is complete, migrate half the bins.
         while worker.has_dataflows():
-            frontier = ev_probe.frontier()
+            frontier = ev_probe.frontier.elements()
             if not frontier:
                 if not control.handle.closed:
                     control.close()
@@ -93,7 +94,7 @@ def main(worker: timely.Worker):
                     controller.tick()
             worker.step_or_park(0.01)
     worker.finish()
-    summary = {"worker": worker.index}
+    summary: dict[str, Any] = {"worker": worker.index}
     if args.megaphone:
         summary["migration_events"] = len(counts.events)
         summary["owned_bins"] = counts.owned_bins()

@@ -18,7 +18,8 @@ Spark side::
     spark.read.format("timely").option("endpoint", ...).option("stream", "counts").load()
     spark_bridge.shutdown("tcp://127.0.0.1:7447")   # lets the job's dataflows complete
 
-See ``spark_bridge/README_SECTION.md`` for every option and the delivery guarantees.
+See the section "Spark bridge: PySpark in, PySpark out, exactly once" of ``README.md`` for every option
+and the delivery guarantees; ``spark_bridge/protocol.py`` for the wire protocol.
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import zmq
 
 from . import protocol as P
 from .errors import ClusterStopping, CoordinatorUnreachable, WorkerUnreachable, from_reply
+from .protocol import Op, Request
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -44,8 +45,9 @@ class Coordinator:
         self.endpoint = endpoint
         self.timeout = float(timeout)
 
-    def request(self, op: str, **fields: Any) -> dict:
-        fields["op"] = op
+    def request(self, op: Request, **fields: Any) -> dict:
+        """Send one request, wait for its reply; raise the reply's error (see ``errors.from_reply``)."""
+        fields["op"] = op.value
         sock = context().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -53,7 +55,7 @@ class Coordinator:
             sock.send(P.pack(fields))
             if not sock.poll(int(self.timeout * 1000)):
                 raise CoordinatorUnreachable(
-                    f"timely coordinator at {self.endpoint} did not answer a '{op}' request within "
+                    f"timely coordinator at {self.endpoint} did not answer a '{op.value}' request within "
                     f"{self.timeout:g} s: is the timely job running and serving that endpoint?")
             reply = P.unpack(sock.recv())
         finally:
@@ -75,6 +77,7 @@ class WorkerLink:
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a worker that is not connected
         self.sock.connect(endpoint)
         self._sndtimeo: int | None = None
+        self.key: tuple | None = None  # where the per-process cache holds this link
 
     @staticmethod
     def get(endpoint: str) -> WorkerLink:
@@ -88,9 +91,8 @@ class WorkerLink:
 
     def discard(self) -> None:
         """Forget this link (after an error: queued messages must not reach a later worker)."""
-        key = getattr(self, "key", None)
-        if _links.get(key) is self:
-            del _links[key]
+        if self.key is not None and _links.get(self.key) is self:
+            del _links[self.key]
         self.sock.close(linger=0)
 
     def send(self, frames: Sequence[Any], timeout: float, worker: int) -> None:
@@ -110,13 +112,13 @@ class WorkerLink:
         """Raise at once if the worker already rejected the write ``key`` (non-blocking)."""
         while self.sock.poll(0):
             frames = self.sock.recv_multipart(copy=False)
-            if len(frames) >= 3 and frames[0].bytes == b"A" and frames[1].bytes == key:
+            if len(frames) >= 3 and frames[0].bytes == Op.ACK and frames[1].bytes == key:
                 reply = P.unpack(frames[2].bytes)
                 if not reply.get("ok"):
                     raise from_reply(reply)
 
-    def recv_reply(self, kind: bytes, key: bytes, timeout: float, worker: int, what: str) -> list:
-        """The next reply of ``kind`` for ``key`` (older replies for other keys are skipped)."""
+    def recv_reply(self, kinds: tuple[Op, ...], key: bytes, timeout: float, worker: int, what: str) -> list:
+        """The next reply of one of ``kinds`` for ``key`` (older replies for other keys are skipped)."""
         import time
 
         deadline = time.monotonic() + timeout
@@ -128,16 +130,16 @@ class WorkerLink:
                     f"timely worker {worker} at {self.endpoint} did not answer ({what}) within {timeout:g} s: "
                     "the cluster stopped or is stuck")
             frames = self.sock.recv_multipart(copy=False)
-            if len(frames) >= 3 and frames[1].bytes == key and frames[0].bytes in kind:
+            if len(frames) >= 3 and frames[1].bytes == key and frames[0].bytes in kinds:
                 return frames
 
 
-def request_worker(endpoint: str, worker: int, kind: bytes, body: dict, timeout: float) -> dict:
-    """One request/reply exchange with a worker's data endpoint (status, release, shutdown)."""
+def request_worker(endpoint: str, worker: int, op: Op, body: dict, timeout: float) -> dict:
+    """One request/reply exchange with a worker's data endpoint (``Op.STATUS``, ``RELEASE``, ``STOP``)."""
     link = WorkerLink.get(endpoint)
     reqid = uuid.uuid4().bytes
-    link.send([kind, reqid, P.pack(body)], timeout, worker)
-    frames = link.recv_reply(kind.lower(), reqid, timeout, worker, kind.decode())
+    link.send([op, reqid, P.pack(body)], timeout, worker)
+    frames = link.recv_reply((op.reply,), reqid, timeout, worker, op.name.lower())
     reply = P.unpack(frames[2].bytes)
     if not reply.get("ok"):
         raise from_reply(reply)
@@ -149,10 +151,11 @@ def read_epochs(endpoint: str, worker: int, sink: str, start: int, end: int, tim
     (body: a ZeroMQ frame holding a serialized RecordBatch)."""
     link = WorkerLink.get(endpoint)
     reqid = uuid.uuid4().bytes
-    link.send([b"R", reqid, P.pack({"sink": sink, "start": start, "end": end})], timeout, worker)
+    link.send([Op.READ, reqid, P.pack({"sink": sink, "start": start, "end": end})], timeout, worker)
     while True:
-        frames = link.recv_reply(b"rz", reqid, timeout, worker, f"read of '{sink}' epochs {start}..{end - 1}")
-        if frames[0].bytes == b"z":
+        frames = link.recv_reply((Op.READ_BATCH, Op.READ_END), reqid, timeout, worker,
+                                 f"read of '{sink}' epochs {start}..{end - 1}")
+        if frames[0].bytes == Op.READ_END:
             reply = P.unpack(frames[2].bytes)
             if not reply.get("ok"):
                 raise from_reply(reply)
@@ -164,12 +167,12 @@ def read_epochs(endpoint: str, worker: int, sink: str, start: int, end: int, tim
 # -- cluster-wide operations --------------------------------------------------------------------------
 def status(endpoint: str, timeout: float = 10.0) -> dict:
     """The coordinator's view: ``peers``, ``sources``, ``sinks``, ``endpoints`` (once registered)."""
-    return Coordinator(endpoint, timeout).request("status")
+    return Coordinator(endpoint, timeout).request(Request.STATUS)
 
 
 def close_stream(endpoint: str, stream: str, timeout: float = 10.0) -> None:
     """Close the source ``stream``: no more writes; its frontier empties once pending commits are out."""
-    Coordinator(endpoint, timeout).request("close", stream=stream)
+    Coordinator(endpoint, timeout).request(Request.CLOSE, stream=stream)
 
 
 def shutdown(endpoint: str, timeout: float = 10.0) -> None:
@@ -178,11 +181,11 @@ def shutdown(endpoint: str, timeout: float = 10.0) -> None:
     The timely job's dataflows can then complete, so its workers finish.
     """
     coord = Coordinator(endpoint, timeout)
-    info = coord.request("status")
+    info = coord.request(Request.STATUS)
     for i, ep in enumerate(info.get("endpoints") or []):
         if ep and i != 0:  # worker 0 stops on the coordinator's request, last
             try:
-                request_worker(ep, i, b"X", {}, timeout)
+                request_worker(ep, i, Op.STOP, {}, timeout)
             except ClusterStopping:
                 pass
-    coord.request("shutdown")
+    coord.request(Request.SHUTDOWN)

@@ -19,7 +19,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pyspark.sql.datasource import (
     DataSource,
@@ -36,6 +36,7 @@ from . import protocol as P
 from . import schema as S
 from .client import DEFAULT_TIMEOUT, Coordinator, WorkerLink, from_reply, read_epochs, request_worker
 from .errors import BridgeError, SchemaMismatch
+from .protocol import Op, Request
 
 NAME = "timely"
 
@@ -105,7 +106,7 @@ def _plan_write(options: Any, schema: Any, overwrite: bool, query: str, batch: i
     endpoint, stream, timeout = _endpoint(options), _stream(options), _timeout(options)
     fields = _fields_of(schema)
     key = _opt(options, "keyColumn", "key.column", "timely.keyColumn")
-    reply = Coordinator(endpoint, timeout).request("plan", stream=stream, kind="write", schema=fields, key=key)
+    reply = Coordinator(endpoint, timeout).request(Request.PLAN, stream=stream, kind="write", schema=fields, key=key)
     names = [n for n, _ in fields]
     return WritePlan(endpoint, stream, query, batch, batch is not None, reply["endpoints"],
                      names.index(key) if key is not None else None, timeout)
@@ -132,8 +133,8 @@ def _write(plan: WritePlan, iterator: Iterator[Any], batch: int) -> TimelyCommit
             link = links[w] = WorkerLink.get(plan.endpoints[w][0])
             header = {"stream": plan.stream, "query": plan.query, "batch": batch, "partition": partition,
                       "attempt": attempt, "generation": plan.endpoints[w][1]}
-            link.send([b"B", tok, P.pack(header), schema_ipc], timeout, w)
-        link.send([b"D", tok, P.ROWS.pack(rb.num_rows), rb.serialize()], timeout, w)
+            link.send([Op.BEGIN, tok, P.pack(header), schema_ipc], timeout, w)
+        link.send([Op.DATA, tok, P.ROWS.pack(rb.num_rows), rb.serialize()], timeout, w)
         link.check(tok)
         rows[w] += rb.num_rows
         batches[w] += 1
@@ -164,9 +165,9 @@ def _write(plan: WritePlan, iterator: Iterator[Any], batch: int) -> TimelyCommit
                 elif len(idx):
                     send(w, rb.take(pa.array(idx)))
     for w, link in links.items():
-        link.send([b"E", tok, P.pack({"rows": rows[w], "batches": batches[w]})], timeout, w)
+        link.send([Op.END, tok, P.pack({"rows": rows[w], "batches": batches[w]})], timeout, w)
     for w, link in links.items():
-        frames = link.recv_reply(b"A", tok, timeout, w, f"staging {rows[w]} rows of stream '{plan.stream}'")
+        frames = link.recv_reply((Op.ACK,), tok, timeout, w, f"staging {rows[w]} rows of stream '{plan.stream}'")
         reply = P.unpack(frames[2].bytes)
         if not reply.get("ok"):
             raise from_reply(reply)
@@ -183,13 +184,13 @@ def _tokens(messages: list) -> list:
 
 def _commit(plan: WritePlan, messages: list, batch: int) -> dict:
     return Coordinator(plan.endpoint, plan.timeout).request(
-        "commit", stream=plan.stream, query=plan.query, batch=batch, tokens=_tokens(messages), final=plan.final)
+        Request.COMMIT, stream=plan.stream, query=plan.query, batch=batch, tokens=_tokens(messages), final=plan.final)
 
 
 def _abort(plan: WritePlan, messages: list, batch: int) -> None:
     try:
         Coordinator(plan.endpoint, plan.timeout).request(
-            "abort", stream=plan.stream, query=plan.query, batch=batch, tokens=_tokens(messages), final=plan.final)
+            Request.ABORT, stream=plan.stream, query=plan.query, batch=batch, tokens=_tokens(messages), final=plan.final)
     except BridgeError as e:  # Spark is failing the write already; do not hide its error
         print(f"spark_bridge: abort of stream '{plan.stream}' batch {batch} not delivered: {e}", file=sys.stderr)
 
@@ -269,12 +270,12 @@ class _SinkClient:
         self.sink = _stream(options)
         self.timeout = _timeout(options)
         self.epoch_column = _opt(options, "epochColumn", "timely.epochColumn")
-        plan = Coordinator(self.endpoint, self.timeout).request("plan", stream=self.sink, kind="read")
+        plan = Coordinator(self.endpoint, self.timeout).request(Request.PLAN, stream=self.sink, kind="read")
         self.endpoints = [e[0] for e in plan["endpoints"]]
         self.fields = plan["fields"]
 
     def statuses(self) -> list[dict]:
-        return [request_worker(ep, i, b"S", {"sink": self.sink}, self.timeout) for i, ep in enumerate(self.endpoints)]
+        return [request_worker(ep, i, Op.STATUS, {"sink": self.sink}, self.timeout) for i, ep in enumerate(self.endpoints)]
 
     def latest(self, statuses: list[dict] | None = None) -> int:
         """Every epoch below the result is complete on every worker."""
@@ -293,7 +294,7 @@ class _SinkClient:
 
     def release(self, upto: int) -> None:
         for i, ep in enumerate(self.endpoints):
-            request_worker(ep, i, b"L", {"sink": self.sink, "upto": upto}, self.timeout)
+            request_worker(ep, i, Op.RELEASE, {"sink": self.sink, "upto": upto}, self.timeout)
 
 
 class TimelyBatchReader(DataSourceReader):
@@ -326,8 +327,8 @@ class TimelyBatchReader(DataSourceReader):
                 st = c.statuses()
         return c.partitions(start, end)
 
-    def read(self, partition: ReadPartition) -> Iterator[Any]:
-        return _read(partition)
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _read(cast(ReadPartition, partition))
 
 
 class TimelyStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -364,8 +365,8 @@ class TimelyStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict) -> list[ReadPartition]:
         return self.client.partitions(int(start["epoch"]), int(end["epoch"]))
 
-    def read(self, partition: ReadPartition) -> Iterator[Any]:
-        return _read(partition)
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _read(cast(ReadPartition, partition))
 
     def commit(self, end: dict) -> None:
         self.client.release(int(end["epoch"]))
@@ -390,7 +391,7 @@ class TimelyDataSource(DataSource):
 
     def schema(self) -> str:
         c = Coordinator(_endpoint(self.options), _timeout(self.options))
-        fields = c.request("plan", stream=_stream(self.options), kind="read")["fields"]
+        fields = c.request(Request.PLAN, stream=_stream(self.options), kind="read")["fields"]
         fields = [tuple(f) for f in fields]
         col = _opt(self.options, "epochColumn", "timely.epochColumn")
         if col:

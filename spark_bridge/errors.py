@@ -1,9 +1,12 @@
 """The errors of the Spark bridge. Every message names what it is about (endpoint, stream, column)."""
 from __future__ import annotations
 
+from timely import TimelyError
 
-class BridgeError(RuntimeError):
-    """Base class: something the bridge refused or could not do."""
+
+class BridgeError(TimelyError, RuntimeError):
+    """Base class: something the bridge refused or could not do (``except timely.TimelyError``
+    catches it too)."""
 
 
 class CoordinatorUnreachable(BridgeError, TimeoutError):
@@ -38,4 +41,4 @@ _KINDS = {
 
 def from_reply(reply: dict) -> BridgeError:
     """The exception for an error reply ``{"ok": False, "kind": ..., "error": ...}``."""
-    return _KINDS.get(reply.get("kind"), BridgeError)(reply.get("error", "unknown error"))
+    return _KINDS.get(str(reply.get("kind")), BridgeError)(reply.get("error", "unknown error"))

@@ -7,18 +7,20 @@ A source named N is three operators, built identically on every worker::
         -> SparkSource[N]  (stages nothing itself; turns commit records into rows)
         -> the user's stream  (+ a probe the coordinator watches)
 
-Worker 0's coordinator turns a Spark commit into a record ``("commit", query, batch, tokens,
-final)`` sent at the stream's next epoch ``e``; the control operator then downgrades its capability
-to ``e + 1``. The broadcast delivers the record to every worker's ``SparkSource``, which emits the
-rows its worker staged for the winning tokens at ``e`` (with the record's input capability, retained
-while a large batch is emitted in slices) and drops every other attempt. So a batch enters the
-dataflow atomically, timestamped and ordered like any data, and the stream's frontier passes ``e``
-exactly when every worker has emitted it; the coordinator answers Spark's commit at that moment.
+Worker 0's :class:`~spark_bridge.ledger.CommitLedger` turns a Spark commit into a decision; the
+control operator sends its record ``(Request.COMMIT, query, batch, tokens, final)`` at the stream's
+next epoch ``e``, downgrades its capability to ``e + 1`` and tells the ledger. The broadcast delivers
+the record to every worker's ``SparkSource``, whose :class:`~spark_bridge.ledger.Staging` yields the
+rows its worker staged for the winning tokens (emitted at ``e`` with the record's input capability,
+retained while a large batch is emitted in slices) and drops every other attempt. So a batch enters
+the dataflow atomically, timestamped and ordered like any data, and the stream's frontier passes
+``e`` exactly when every worker has emitted it; the ledger releases Spark's commit reply then.
 
-A sink named N is one operator per worker: it collects the records of each time, and once its input
-frontier passes a time it converts them to Arrow IPC batches kept until a reader releases them. It
-holds a capability on an unused output so that the worker keeps serving reads after the input is
-complete, until a shutdown (or, with ``keep_alive=False``, until every epoch was released).
+A sink named N is one operator per worker: it feeds the records of each time to a
+:class:`~spark_bridge.sinkbuffer.SinkBuffer`, which converts them to Arrow IPC and serves an epoch
+once the input frontier has passed it, until a reader releases it. The operator holds a capability
+on an unused output so that the worker keeps serving reads after the input is complete, until a
+shutdown (or, with ``keep_alive=False``, until every epoch was released).
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from collections import deque
 from typing import Any
 
 from . import schema as S
-from .server import BridgeServer, serve
+from .protocol import Request
+from .server import BridgeServer, Wakeup, serve
 
 _EMIT_ROWS = 1 << 18  # rows emitted per activation before yielding to downstream operators
 
@@ -70,65 +73,42 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
     """
     server = _server_for(scope, coordinator, host)
     fields = None if schema is None else S.parse(schema)
-    state = server.add_source(name, fields, arrow)
-    worker_index = server.index
+    src = server.streams.add_source(name, fields, arrow)
+    ledger, staging = src.ledger, src.staging
 
     def control(cap, info):
-        state.ctl_core = info.activator
-        if worker_index != 0:
+        src.control = info.activator
+        if server.index != 0:
             cap.drop()
             return lambda out: None
         server.op_started()
         held = [cap]
-        wake = [0.0]
+        wakeup = Wakeup(server, info.activator)
 
         def logic(out) -> None:
-            if state.ctl_done:
+            if ledger.done:
                 return
             server.pump()
-            decisions = state.decisions
-            while decisions:
-                kind, query, batch, tokens, final, rows = decisions.popleft()
+            # A stopping bridge keeps answering writes in flight for a moment before it closes.
+            may_close = not server.stopping or server.grace_over()
+            while (decision := ledger.next_decision(may_close)) is not None:
                 cap = held[0]
-                if cap is None:
-                    continue
-                if kind == "commit":
-                    epoch = cap.time
-                    out.session(cap).give(("commit", query, batch, tokens, final))
-                    out.flush()
-                    cap.downgrade(epoch + 1)
-                    state.committed[(query, batch)] = epoch
-                    if not final:
-                        state.cwatermark[query] = max(batch, state.cwatermark.get(query, -1))
-                    state.acks.append((epoch, (query, batch), rows))
-                    state.epochs += 1
-                    state.rows_committed += rows
-                elif kind == "abort":
-                    out.session(cap).give(("abort", query, batch, tokens, final))
-                    out.flush()
-                elif kind == "close":
-                    if server.stopping and not server.grace_over():
-                        decisions.appendleft((kind, query, batch, tokens, final, rows))
-                        break  # keep the worker answering in-flight writes for a moment
+                if decision.kind == Request.CLOSE:  # invariant: the ledger's last decision
                     cap.drop()
                     held[0] = None
-            if state.acks:
-                done = [a for a in state.acks if not state.probe.less_equal(a[0])]
-                for a in done:
-                    state.acks.remove(a)
-                    epoch, key, rows = a
-                    for ident in state.waiting.pop(key, []):
-                        server._reply_coord(ident, {"ok": True, "epoch": epoch, "rows": rows})
-            if held[0] is None and not state.acks and not decisions:
-                state.ctl_done = True
-                for key, idents in state.waiting.items():
-                    for ident in idents:
-                        server._reply_coord(ident, {"ok": False, "kind": "stopping",
-                                                    "error": f"stream '{name}' closed before the commit"})
-                state.waiting.clear()
+                    continue
+                out.session(cap).give(decision.record())
+                out.flush()
+                if decision.kind == Request.COMMIT:
+                    ledger.committed(decision, cap.time)
+                    cap.downgrade(cap.time + 1)
+            # ``probe`` is bound below, before the dataflow runs.
+            server.answer(ledger.acknowledge(lambda epoch: not probe.less_equal(epoch)))
+            if ledger.settled:
+                server.answer(ledger.finish())
                 server.op_done()
                 return
-            server.rearm(info.activator, wake)
+            wakeup.rearm()
 
         return logic
 
@@ -136,10 +116,10 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
 
     def data(cap, info):
         cap.drop()
-        state.data_core = info.activator
+        src.data = info.activator
         server.op_started()
         pending: deque = deque()  # [retained capability, iterator of RecordBatches]
-        wake = [0.0]
+        wakeup = Wakeup(server, info.activator)
         finished = [False]
 
         def batches(frames, schema_bytes):
@@ -155,20 +135,16 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
             server.pump()
             for icap, recs in inp:
                 for rec in recs:
-                    kind, query, batch, tokens, final = rec
-                    if kind == "commit":
-                        frames, schema_bytes = state.take(query, batch, tokens, final)
-                        if frames:
-                            pending.append([icap.retain(), batches(frames, schema_bytes)])
-                    elif kind == "abort":
-                        state.abort(query, batch, tokens, final)
+                    frames, schema_bytes = staging.apply(rec)
+                    if frames:
+                        pending.append([icap.retain(), batches(frames, schema_bytes)])
             budget = _EMIT_ROWS
             while pending and budget > 0:
                 cap, it = pending[0]
                 group: list = []
                 for rb in it:
                     budget -= rb.num_rows
-                    if state.arrow:
+                    if arrow:
                         group.append(rb)
                     elif rb.num_rows:
                         out.give_batch(cap, arrow_to_rows(rb))
@@ -186,17 +162,17 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
             if pending:
                 info.activator.activate()
                 return
-            if not inp.frontier.frontier:
+            if inp.frontier.is_empty():
                 finished[0] = True
-                state.close_local()
+                staging.close()
                 server.op_done()
                 return
-            server.rearm(info.activator, wake)
+            wakeup.rearm()
 
         return logic
 
     stream = commits.unary_frontier(data, name=f"SparkSource[{name}]")
-    state.probe = stream.probe()
+    probe = stream.probe()
     return stream
 
 
@@ -214,40 +190,37 @@ def sink(stream: Any, name: str, schema: Any, *, arrow: bool = False, keep_alive
     was released by a reader.
     """
     server = _server_for(stream.scope, coordinator, host)
-    fields = S.parse(schema)
-    S.arrow_schema(fields)  # fail now if a type has no Arrow equivalent
-    state = server.add_sink(name, fields, arrow, keep_alive)
+    sink_ = server.streams.add_sink(name, S.parse(schema), arrow)  # fails now if a type has no Arrow equivalent
+    buffer = sink_.buffer
 
     def ctor(cap, info):
-        state.core = info.activator
+        sink_.activator = info.activator
         server.op_started()
         keep = [cap]
-        wake = [0.0]
+        wakeup = Wakeup(server, info.activator)
 
         def logic(inp, out) -> None:
-            if state.done:
+            if buffer.done:
                 return
             server.pump()
             for icap, batch in inp:
                 t = icap.time
                 if not isinstance(t, int):
                     raise TypeError(f"spark_bridge.sink '{name}': times must be integer epochs, not {t!r}")
-                state.add(t, batch)
-                if t > state.max_seen:
-                    state.max_seen = t
-            state.observe(inp.frontier)
-            state.serve_reads()
-            input_done = state.frontier is None
-            if keep[0] is not None and (server.grace_over() or (
-                    not keep_alive and input_done and not state.complete and not state.buffers)):
+                buffer.add(t, batch)
+            least = inp.frontier.elements()  # ascending: integer epochs have one least time
+            buffer.advance(least[0] if least else None)
+            server.serve_reads(sink_)
+            input_done = buffer.frontier is None
+            if keep[0] is not None and (server.grace_over() or (not keep_alive and input_done and buffer.drained)):
                 keep[0].drop()
                 keep[0] = None
             if keep[0] is None and input_done:
-                state.done = True
-                state.serve_reads(force=True)
+                buffer.done = True
+                server.serve_reads(sink_)
                 server.op_done()
                 return
-            server.rearm(info.activator, wake)
+            wakeup.rearm()
 
         return logic
 

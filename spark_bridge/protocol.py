@@ -3,25 +3,28 @@
 Two kinds of endpoint, both ZeroMQ ROUTER sockets bound by the workers; clients are DEALERs.
 
 **Coordinator** (worker 0 only; the address the user chooses). One frame in, one frame out, each a
-msgpack map. Requests carry ``op``:
+msgpack map. Requests carry ``op``, a :class:`Request`:
 
-- ``hello {worker, endpoint}``: a worker registers its data endpoint (workers 1..N-1 at start-up).
+- ``hello {worker, endpoint, generation}``: a worker registers its data endpoint (workers 1..N-1 at
+  start-up; not answered).
 - ``plan {stream, kind: "write"|"read", schema, key}``: the data endpoints of every worker, the
   stream's declared schema; checks the stream exists and the schema matches.
-- ``commit {stream, query, batch, tokens, generation}``: publish a staged batch as the next epoch.
+- ``commit {stream, query, batch, tokens, final}``: publish a staged batch as the next epoch.
   Answered once every worker's source has emitted the epoch (its frontier passed it).
-- ``abort {stream, query, batch, final}``: discard the staged data of a batch.
+- ``abort {stream, query, batch, tokens, final}``: discard the staged data of a batch.
 - ``close {stream}``: close a source (its frontier becomes empty once pending commits are out).
 - ``shutdown {}``: close every source, stop accepting data, release sinks.
+- ``status {}``: streams, worker endpoints and per-source counters.
 
 Replies are ``{"ok": True, ...}`` or ``{"ok": False, "kind": ..., "error": message}``.
 
-**Data** (every worker). Multipart messages whose first frame is a one-letter kind:
+**Data** (every worker). Multipart messages whose first frame is an :class:`Op`:
 
 - ``B token header schema``: a write task begins a staged write (header: stream, query, batch,
   partition, attempt, generation; schema: Arrow IPC schema bytes).
 - ``D token rows body``: one Arrow record batch (``RecordBatch.serialize()``), ``rows`` as int64.
-- ``E token summary``: end of the task's data for this worker; answered ``A token reply`` once staged.
+- ``E token summary``: end of the task's data for this worker; answered ``A token reply`` once staged
+  (``A`` also rejects a write early, as soon as the worker knows it failed).
 - ``S reqid {sink}``: status of a sink here; answered ``s reqid reply``.
 - ``R reqid {sink, start, end}``: the outputs of epochs in [start, end); answered by zero or more
   ``r reqid (epoch, rows) body`` frames and a final ``z reqid reply``.
@@ -30,6 +33,7 @@ Replies are ``{"ok": True, ...}`` or ``{"ok": False, "kind": ..., "error": messa
 """
 from __future__ import annotations
 
+import enum
 import struct
 from typing import Any
 
@@ -38,19 +42,59 @@ import msgpack
 ROWS = struct.Struct("<q")
 
 
+class Request(str, enum.Enum):
+    """The ``op`` of a coordinator request. ``COMMIT``, ``ABORT`` and ``CLOSE`` also name the decisions
+    the coordinator takes on such requests (see :class:`spark_bridge.ledger.Decision`)."""
+
+    HELLO = "hello"
+    PLAN = "plan"
+    COMMIT = "commit"
+    ABORT = "abort"
+    CLOSE = "close"
+    SHUTDOWN = "shutdown"
+    STATUS = "status"
+
+
+class Op(bytes, enum.Enum):
+    """The first frame of a data-endpoint message: what it is."""
+
+    # staged writes: Spark task -> worker, and the worker's answer
+    BEGIN = b"B"
+    DATA = b"D"
+    END = b"E"
+    ACK = b"A"
+    # requests of readers and of spark_bridge.shutdown, each with its reply
+    STATUS, STATUS_REPLY = b"S", b"s"
+    READ, READ_BATCH, READ_END = b"R", b"r", b"z"
+    RELEASE, RELEASE_REPLY = b"L", b"l"
+    STOP, STOP_REPLY = b"X", b"x"
+
+    @property
+    def reply(self) -> Op:
+        """The op answering this request (``STATUS``, ``RELEASE`` and ``STOP`` only)."""
+        return _REPLIES[self]
+
+
+_REPLIES = {Op.STATUS: Op.STATUS_REPLY, Op.RELEASE: Op.RELEASE_REPLY, Op.STOP: Op.STOP_REPLY}
+
+
 def pack(obj: Any) -> bytes:
+    """msgpack bytes of ``obj`` (str as str, bytes as bin)."""
     return msgpack.packb(obj, use_bin_type=True)
 
 
 def unpack(data: Any) -> Any:
+    """The object packed in ``data`` (bytes or a buffer such as a ZeroMQ frame's)."""
     return msgpack.unpackb(bytes(data) if not isinstance(data, bytes) else data, raw=False, strict_map_key=False)
 
 
 def ok(**fields: Any) -> dict:
+    """A success reply carrying ``fields``."""
     fields["ok"] = True
     return fields
 
 
 def error(message: str, kind: str = "error", **fields: Any) -> dict:
+    """A failure reply; ``kind`` selects the client's exception (see :func:`spark_bridge.errors.from_reply`)."""
     fields.update(ok=False, kind=kind, error=message)
     return fields

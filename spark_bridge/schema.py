@@ -141,7 +141,8 @@ class _Parser:
         return word
 
     def _skip_not_null(self) -> None:
-        if self.peek() and self.peek().lower() == "not":
+        word = self.peek()
+        if word and word.lower() == "not":
             self.take()
             self.take("null")
 

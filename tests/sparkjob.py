@@ -3,6 +3,7 @@ Spark tests)."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import spark_bridge
 import timely
@@ -14,16 +15,16 @@ class ThreadJob:
     def __init__(self, build) -> None:
         self.build = build
         self.ready = threading.Event()
-        self.endpoint = None
-        self.result = None
-        self.error = None
+        self.endpoint = ""  # the coordinator, once the job serves it
+        self.result: Any = None
+        self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         def main(worker):
             with worker.dataflow() as scope:
                 grab = self.build(scope, "tcp://127.0.0.1:0")
-            self.endpoint = spark_bridge.endpoint(worker)
+            self.endpoint = spark_bridge.endpoint(worker) or ""
             self.ready.set()
             worker.finish()
             return grab()

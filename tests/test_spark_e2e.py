@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -256,9 +257,10 @@ def test_streaming_read_releases_on_commit_and_never_duplicates(spark, tmp_path)
 
     def sink_status(ep):
         from spark_bridge.client import request_worker
+        from spark_bridge.protocol import Op
 
         info = spark_bridge.status(ep)
-        return request_worker(info["endpoints"][0], 0, b"S", {"sink": "agg"}, 5)
+        return request_worker(info["endpoints"][0], 0, Op.STATUS, {"sink": "agg"}, 5)
 
     with ThreadJob(agg_job) as job:
         write(df0, job.endpoint)
@@ -358,7 +360,7 @@ class LaunchedJob:
         self.cmd = [sys.executable, "-m", "timely.launch", "-w", str(workers),
                     os.path.join(ROOT, "examples", "spark_pipeline.py"), self.endpoint,
                     "--capture", str(self.capture), *extra]
-        self.proc = None
+        self.proc: Any = None  # the launcher's Popen, once entered
 
     def __enter__(self) -> LaunchedJob:
         import subprocess

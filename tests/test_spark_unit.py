@@ -8,13 +8,13 @@ pa = pytest.importorskip("pyarrow")
 np = pytest.importorskip("numpy")
 pytest.importorskip("pyspark")
 
-import spark_bridge  # noqa: E402
-import timely  # noqa: E402
-from sparkjob import ThreadJob  # noqa: E402
-from spark_bridge import datasource as D  # noqa: E402
-from spark_bridge import schema as S  # noqa: E402
-from spark_bridge.routing import hash_int64, owners  # noqa: E402
-from timely.routing import hash64  # noqa: E402
+import spark_bridge
+import timely
+from sparkjob import ThreadJob
+from spark_bridge import datasource as D
+from spark_bridge import schema as S
+from spark_bridge.routing import hash_int64, owners
+from timely.routing import hash64
 
 SCHEMA = "key bigint, value bigint"
 

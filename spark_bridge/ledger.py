@@ -1,0 +1,320 @@
+"""Exactly-once bookkeeping of one bridge source: no sockets, no dataflow.
+
+The server and the bridge's operators feed these objects events and get replies back:
+
+* :class:`Staging` (every worker): the rows each Spark task attempt sent to this worker, under the
+  attempt's random *token*, until a commit or abort record decides their fate.
+* :class:`CommitLedger` (worker 0's coordinator): turns commit, abort and close requests into an
+  ordered queue of :class:`Decision`\\ s, remembers the epoch at which each ``(query, batch)`` was
+  committed, and holds the replies to a commit until the stream's frontier has passed its epoch.
+
+Exactly-once rests on two facts. A commit decision lists the winning tokens with their row counts
+per worker, so only those attempts' rows are ever emitted, and every other attempt of the batch is
+dropped when the decision arrives. And a batch is decided at most once: the ledger answers a
+repeated commit from ``committed`` (or, for streaming queries, from the watermark of the highest
+committed batch) without a new decision.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+from . import protocol as P
+from .errors import BridgeError
+from .protocol import Request
+
+Key = tuple[str, int]  # (query, batch)
+Reply = tuple[Any, dict]  # (requester, reply)
+
+
+class Staged:
+    """The rows one write task attempt sent to this worker for one batch."""
+
+    __slots__ = ("query", "batch", "schema", "frames", "rows", "ended", "discard", "error", "kind", "writer",
+                 "notified")
+
+    def __init__(self, query: str, batch: int, schema: bytes, writer: Any) -> None:
+        self.query = query
+        self.batch = batch
+        self.schema = schema  # Arrow IPC schema of the frames
+        self.frames: list = []  # [(rows, serialized RecordBatch)]
+        self.rows = 0
+        self.ended = False  # the task sent its end-of-data and it matched what arrived
+        self.discard = False  # a replay of a batch already decided: its rows are counted, not kept
+        self.error: str | None = None
+        self.kind = "error"  # the reply kind of ``error``
+        self.writer = writer  # whom to tell early that the write failed (opaque to this module)
+        self.notified = False
+
+    def fail(self, message: str, kind: str = "error") -> None:
+        """Mark the write failed; its rows are refused from now on."""
+        self.error = message
+        self.kind = kind
+
+    def rejection(self) -> dict | None:
+        """The error reply to send the writer now: once, and only if the write failed."""
+        if self.error is None or self.writer is None or self.notified:
+            return None
+        self.notified = True
+        return P.error(self.error, self.kind)
+
+
+class Staging:
+    """The staged write attempts of one source on one worker."""
+
+    def __init__(self, name: str, worker: int) -> None:
+        self.name = name
+        self.worker = worker
+        self.tokens: dict[str, Staged] = {}
+        self._by_batch: dict[Key, set[str]] = {}  # the live (undecided) tokens of each batch
+        self._watermark: dict[str, int] = {}  # query -> highest committed batch (streaming queries)
+        self._final: set[str] = set()  # batch-write queries already committed or aborted
+        self.closed = False  # this worker's source is complete: no write is accepted any more
+        self.dropped_rows = 0  # rows of losing, failed or aborted attempts
+        self.duplicate_rows = 0  # rows of replays of batches already committed
+
+    def __contains__(self, token: str) -> bool:
+        return token in self.tokens
+
+    def _decided(self, query: str, batch: int) -> bool:
+        return query in self._final or batch <= self._watermark.get(query, -1)
+
+    def begin(self, token: str, query: str, batch: int, schema: bytes, writer: Any,
+              stopping: str | None = None) -> Staged:
+        """A task attempt starts writing ``(query, batch)``; ``stopping``: the message refusing it
+        because the bridge is shutting down."""
+        st = Staged(query, batch, schema, writer)
+        self.tokens[token] = st
+        if stopping is not None:
+            st.fail(stopping, "stopping")
+        elif self.closed:
+            st.fail(f"stream '{self.name}' is closed: the timely job accepts no more writes to it")
+        elif self._decided(query, batch):
+            st.discard = True
+        else:
+            self._by_batch.setdefault((query, batch), set()).add(token)
+        return st
+
+    def receive(self, token: str, rows: int, frame: Any, writer: Any) -> dict | None:
+        """One record batch of a staged write arrived; returns the rejection to send, if any."""
+        st = self.tokens[token]
+        if st.discard:
+            self.duplicate_rows += rows
+        elif st.error is None:
+            st.frames.append((rows, frame))
+            st.rows += rows
+        else:
+            if not st.notified:
+                st.writer = writer
+            return st.rejection()
+        return None
+
+    def end(self, token: str, rows: int, batches: int, stopping: str | None = None) -> dict:
+        """The task says it sent ``rows`` in ``batches`` for ``token``: the reply to its end-of-data."""
+        st = self.tokens[token]
+        if stopping is not None and not st.discard:
+            self.drop([token])
+            return P.error(stopping, "stopping")
+        if st.error is not None:
+            self.drop([token])
+            return P.error(st.error, st.kind)
+        if st.discard:
+            del self.tokens[token]
+            return P.ok(rows=rows, duplicate=True)
+        if st.rows != rows or len(st.frames) != batches:
+            self.drop([token])
+            return P.error(f"worker {self.worker} received {st.rows} rows in {len(st.frames)} batches "
+                           f"of write {token}, the task sent {rows} in {batches}")
+        st.ended = True
+        return P.ok(rows=st.rows)
+
+    def drop(self, tokens: Iterable[str]) -> None:
+        """Forget these attempts (their rows count as dropped)."""
+        for t in list(tokens):
+            st = self.tokens.pop(t, None)
+            if st is None:
+                continue
+            self.dropped_rows += st.rows
+            live = self._by_batch.get((st.query, st.batch))
+            if live is not None:
+                live.discard(t)
+                if not live:
+                    del self._by_batch[(st.query, st.batch)]
+
+    def apply(self, record: tuple) -> tuple[list, bytes | None]:
+        """Apply a decision record (see :meth:`Decision.record`): the frames it publishes here, in
+        token order, and their schema (``([], None)`` for an abort)."""
+        kind, query, batch, tokens, final = record
+        if kind == Request.COMMIT:
+            return self._take(query, batch, tokens, final)
+        if final:
+            self._final.add(query)
+            self.drop(list(self._by_batch.get((query, batch), ())))
+        else:
+            self.drop(t for t, _ in tokens)
+        return [], None
+
+    def _take(self, query: str, batch: int, tokens: list, final: bool) -> tuple[list, bytes | None]:
+        frames: list = []
+        schema = None
+        for token, per_worker in tokens:
+            want = {int(w): int(r) for w, r in per_worker}.get(self.worker, 0)
+            if not want:
+                continue
+            st = self.tokens.get(token)
+            if st is None or not st.ended or st.rows != want:
+                have = "nothing" if st is None else f"{st.rows} rows{'' if st.ended else ' (not ended)'}"
+                raise BridgeError(
+                    f"stream '{self.name}': commit of query {query} batch {batch} lists {want} rows of task "
+                    f"attempt {token} on worker {self.worker}, but this worker staged {have}")
+            frames.extend(st.frames)
+            schema = st.schema
+            st.rows = 0  # taken: dropped below with the other attempts, uncounted
+        if final:
+            self._final.add(query)
+        else:
+            self._watermark[query] = max(batch, self._watermark.get(query, -1))
+        # Invariant: once a batch is decided, no attempt of it (or of an earlier batch of a
+        # streaming query) stays staged, and begin() discards any that arrives later.
+        self.drop([t for (q, b), ts in self._by_batch.items() if q == query and (final or b <= batch) for t in ts])
+        return frames, schema
+
+    def fail_open(self, message: str) -> Iterator[tuple[Any, str, dict]]:
+        """Fail every write still in progress (the bridge stops): ``(writer, token, rejection)`` to send."""
+        for token, st in list(self.tokens.items()):
+            if not st.ended and not st.discard:
+                st.fail(message, "stopping")
+                reply = st.rejection()
+                if reply is not None:
+                    yield st.writer, token, reply
+
+    def close(self) -> None:
+        """This worker's source is complete: drop every staged attempt, accept no more."""
+        self.closed = True
+        self.drop(list(self.tokens))
+
+
+class Decision(NamedTuple):
+    """What the coordinator decided, in the order the control operator must publish it."""
+
+    kind: Request  # COMMIT, ABORT or CLOSE
+    query: str | None = None
+    batch: int | None = None
+    tokens: list | None = None  # [[token, [[worker, rows], ...]], ...]
+    final: bool = False  # a batch write (its query is never reused), not a streaming micro-batch
+    rows: int = 0
+
+    def record(self) -> tuple:
+        """The dataflow record broadcast to every worker's :meth:`Staging.apply`."""
+        return (self.kind, self.query, self.batch, self.tokens, self.final)
+
+
+class CommitLedger:
+    """Worker 0's decisions for one source, and the replies that wait on them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._decisions: deque[Decision] = deque()
+        self._committed: dict[Key, int] = {}  # -> epoch
+        self._watermark: dict[str, int] = {}  # query -> highest committed batch (streaming queries)
+        self._waiting: dict[Key, list] = {}  # requesters of a commit decided or queued, not yet answered
+        self._acks: list[tuple[int, Key, int]] = []  # (epoch, key, rows) published, not yet passed
+        self.close_requested = False
+        self._close_taken = False  # the close decision left the queue: the capability is gone
+        self.done = False
+        self.epochs = 0
+        self.rows = 0
+
+    @property
+    def open(self) -> bool:
+        """Whether new writes, commits and aborts are accepted."""
+        return not (self.close_requested or self.done)
+
+    def request_commit(self, requester: Hashable, query: str, batch: int, tokens: list, final: bool,
+                       stopping: str | None = None) -> dict | None:
+        """A commit request: its reply now, or None when it is answered later by :meth:`acknowledge`
+        or :meth:`finish`. ``stopping``: the message refusing new commits (the bridge is stopping)."""
+        key = (query, batch)
+        if key in self._committed:
+            return P.ok(epoch=self._committed[key], duplicate=True, rows=0)
+        if stopping is not None:
+            return P.error(stopping, "stopping")
+        if not final and batch <= self._watermark.get(query, -1):
+            return P.ok(epoch=None, duplicate=True, rows=0)
+        if key in self._waiting:
+            self._waiting[key].append(requester)
+            return None
+        if not self.open:
+            return P.error(f"stream '{self.name}' is closed: commit of batch {batch} rejected", "stopping")
+        self._waiting[key] = [requester]
+        rows = sum(int(r) for _, per in tokens for _, r in per)
+        self._decisions.append(Decision(Request.COMMIT, query, batch, tokens, final, rows))
+        return None
+
+    def request_abort(self, query: str, batch: int, tokens: list, final: bool) -> dict:
+        """An abort request: queues an abort decision unless the batch is (being) committed."""
+        key = (query, batch)
+        if key in self._committed or key in self._waiting:
+            return P.ok(ignored=True)
+        if self.open:
+            self._decisions.append(Decision(Request.ABORT, query, batch, tokens, final))
+        return P.ok()
+
+    def request_close(self) -> dict:
+        """Close the source once the decisions queued so far are published (idempotent)."""
+        if not self.close_requested:
+            self.close_requested = True
+            self._decisions.append(Decision(Request.CLOSE))
+        return P.ok()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a decision waits to be published."""
+        return bool(self._decisions)
+
+    def next_decision(self, may_close: bool = True) -> Decision | None:
+        """The next decision to publish, or None; a close stays queued while ``may_close`` is False."""
+        if not self._decisions or (self._decisions[0].kind == Request.CLOSE and not may_close):
+            return None
+        d = self._decisions.popleft()
+        if d.kind == Request.CLOSE:
+            self._close_taken = True
+        return d
+
+    def committed(self, decision: Decision, epoch: int) -> None:
+        """The commit ``decision`` was published at ``epoch``."""
+        query, batch = decision.query, decision.batch
+        assert query is not None and batch is not None, "only commit decisions are committed"
+        self._committed[(query, batch)] = epoch
+        if not decision.final:
+            self._watermark[query] = max(batch, self._watermark.get(query, -1))
+        self._acks.append((epoch, (query, batch), decision.rows))
+        self.epochs += 1
+        self.rows += decision.rows
+
+    def is_committed(self, query: str, batch: int) -> bool:
+        """Whether ``(query, batch)`` was published."""
+        return (query, batch) in self._committed
+
+    def acknowledge(self, passed: Callable[[int], bool]) -> list[Reply]:
+        """Answer the commits whose epoch every worker has emitted (``passed(epoch)``)."""
+        replies: list[Reply] = []
+        for ack in [a for a in self._acks if passed(a[0])]:
+            self._acks.remove(ack)
+            epoch, key, rows = ack
+            replies.extend((r, P.ok(epoch=epoch, rows=rows)) for r in self._waiting.pop(key, []))
+        return replies
+
+    @property
+    def settled(self) -> bool:
+        """The close was taken and every published commit answered: the ledger can :meth:`finish`."""
+        return self._close_taken and not self._acks and not self._decisions
+
+    def finish(self) -> list[Reply]:
+        """Mark the ledger done; the failure replies of commit requests still waiting."""
+        self.done = True
+        msg = P.error(f"stream '{self.name}' closed before the commit", "stopping")
+        replies = [(r, dict(msg)) for rs in self._waiting.values() for r in rs]
+        self._waiting.clear()
+        return replies
