@@ -12,7 +12,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .builder import OperatorBuilder
     from .capability import Capability
     from .handles import OperatorOutput
-    from .operator import InputPort
     from .scope import Scope, Stream
 
 
@@ -94,36 +93,43 @@ class ProbeHandle:
     """Observes the frontier of one or more streams: which times may still appear there."""
 
     def __init__(self) -> None:
-        self._ports: list[InputPort] = []  # the probe operators' inputs; frontiers installed at freeze
+        self._frontiers: list[Frontier] = []  # one per probed stream (the probe operators' inputs)
         self._watchers: list[Any] = []  # activators scheduled whenever the frontier changes
+        self._seen: list[Any] | None = None  # the frontier the watchers last heard of
 
-    def _attach(self, port: InputPort) -> None:
-        self._ports.append(port)
+    def _attach(self, frontier: Frontier) -> None:
+        """Add a probed stream's frontier (called by ``Stream.probe_with``)."""
+        self._frontiers.append(frontier)
+
+    def _observe(self) -> None:
+        """Wake the watchers if the frontier moved since they last heard (called by the probe operators)."""
+        if self._watchers:
+            now = self.frontier.elements()
+            if now != self._seen:
+                self._seen = now
+                for a in self._watchers:
+                    a.activate()
 
     def watch(self, activator: Any) -> None:
         """Schedule ``activator`` (an operator's ``info.activator``) whenever this frontier changes."""
         self._watchers.append(activator)
 
-    def _changed(self) -> None:
-        for a in self._watchers:
-            a.activate()
-
     @property
     def frontier(self) -> Frontier:
         """The minimal times that may still appear (a live, read-only view; empty: complete)."""
-        return Frontier([p.antichain for p in self._ports])
+        return self._frontiers[0] if len(self._frontiers) == 1 else Frontier.union(self._frontiers)
 
     def less_than(self, time: Any) -> bool:
         """True while some time strictly before ``time`` may still appear."""
-        return any(p.frontier.less_than(time) for p in self._ports)
+        return any(f.less_than(time) for f in self._frontiers)
 
     def less_equal(self, time: Any) -> bool:
         """True while some time at or before ``time`` may still appear."""
-        return any(p.frontier.less_equal(time) for p in self._ports)
+        return any(f.less_equal(time) for f in self._frontiers)
 
     def done(self) -> bool:
         """True once no further time may appear."""
-        return all(p.frontier.is_empty() for p in self._ports)
+        return all(f.is_empty() for f in self._frontiers)
 
     def __repr__(self) -> str:
         return f"ProbeHandle(frontier={self.frontier.elements()!r})"

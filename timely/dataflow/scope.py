@@ -317,21 +317,15 @@ class Stream:
         inp = b.new_input(self)
         out, stream = b.new_output()
         b.set_frontier_interest(True)
-        handle._attach(inp._port)
-        frontier = inp.frontier
+        handle._attach(inp.frontier)
 
         def build(caps: list[Capability]) -> Callable[[], None]:
             caps[0].drop()
-            seen: list = [None]
 
             def run() -> None:
                 for cap, batch in inp:
                     out.give_batch(cap, batch)
-                if handle._watchers:
-                    now = frontier.elements()
-                    if now != seen[0]:
-                        seen[0] = now
-                        handle._changed()
+                handle._observe()
 
             return run
 

@@ -169,6 +169,11 @@ class Frontier:
     def __init__(self, antichains: list[MutableAntichain]) -> None:
         self._antichains = antichains  # shared, not copied: the view follows them
 
+    @staticmethod
+    def union(frontiers: Iterable[Frontier]) -> Frontier:
+        """One view over the times of several frontiers (taken once they are installed)."""
+        return Frontier([a for f in frontiers for a in f._antichains])
+
     def less_than(self, t: Any) -> bool:
         """True while some time strictly before ``t`` may still appear."""
         return any(less_than(x, t) for a in self._antichains for x in a.elements)
