@@ -1,4 +1,4 @@
-"""Micro-benchmark of the native routing hot paths (timely._native.hashing).
+"""Micro-benchmark of the native routing hot paths (``timely.routing``, Cython).
 
 Measures, on one batch of N (int, int) tuples:
   * partition by int field 0 into P peers (the exchange fast path; target >= 20 M records/s),
@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from timely._native import hashing
+from timely import routing
 
 
 def measure(fn, runs: int) -> float:
@@ -47,12 +47,12 @@ def main(argv: list[str] | None = None) -> None:
           f"records: {args.records}  runs: {args.runs} (median)  peers: {args.peers}  k: {args.k}")
 
     records = [(i, i) for i in range(args.records)]
-    routing = array.array("I", [b % args.peers for b in range(1 << args.k)])
+    table = array.array("I", [b % args.peers for b in range(1 << args.k)])
     cases = [
-        ("partition, int field 0", lambda: hashing.partition(records, args.peers, 0)),
-        ("partition, key callable", lambda: hashing.partition(records, args.peers, lambda r: r[0])),
+        ("partition, int field 0", lambda: routing.partition(records, args.peers, 0)),
+        ("partition, key callable", lambda: routing.partition(records, args.peers, lambda r: r[0])),
         (f"route_bins, field 0, k={args.k}",
-         lambda: hashing.route_bins(records, 0, args.k, routing, args.peers)),
+         lambda: routing.route_bins(records, 0, args.k, table, args.peers)),
     ]
     for name, fn in cases:
         t = measure(fn, args.runs)

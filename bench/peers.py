@@ -1,13 +1,16 @@
 """Peers in the same run: our engine against bytewax on the keyed count and NEXMark Q1, Q2, Q3.
 
 Both engines run on the same machine in the same invocation, each run in fresh processes: ours
-with ``.venv/bin/python`` (``timely.execute``), bytewax with ``.venv-bench/bin/python`` (bytewax
+with the interpreter running this script (``timely.execute`` in a process started by
+``nexmark.runner.run_fresh``), bytewax with ``.venv-bench/bin/python`` (bytewax
 from PyPI, not a project dependency; ``run_main`` for 1 worker, ``cluster_main`` in one process
 per worker, 1 worker each, for more). Every process pre-generates its input outside the timed
 section, then the input is pushed through as fast as possible (closed loop). Both engines handle
 each batch as it is read (bytewax reads one ``next_batch`` per activation of its input; ours steps
 the worker after every batch or round) and start their clocks once every worker is ready
-(bytewax's ``cluster_main`` connects them all first; ours waits at a barrier dataflow):
+(bytewax's ``cluster_main`` connects them all first; ours agree on a start with
+``nexmark.openloop.start_together``). Both set the collector with ``timely.collector`` under
+``--gc`` (default ``freeze``) once their input is generated:
 
 * keyed count: ``--records`` ``(key, 1)`` records over ``--keys`` keys (``random.Random(worker)``
   per worker, as ``bench/exchange.py``); ours ``exchange(0).count_by_key(0)`` with one epoch per
@@ -23,13 +26,12 @@ the worker after every batch or round) and start their clocks once every worker 
 
 Throughput = input records / (last worker done - first worker's first batch).
 
-    python bench/peers.py --setup     # create .venv-bench and install bytewax==0.21.1 numpy into it
-    python bench/peers.py             # keyed count (2 workers), Q1-Q3 (1 and 2 workers), 3 runs
+    .venv/bin/python bench/peers.py --setup   # create .venv-bench, install bytewax==0.21.1 numpy into it
+    .venv/bin/python bench/peers.py           # keyed count (2 workers), Q1-Q3 (1 and 2 workers), 3 runs
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -42,7 +44,6 @@ import time
 import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OURS_PY = os.path.join(ROOT, ".venv", "bin", "python")
 BENCH_VENV = os.path.join(ROOT, ".venv-bench")
 BENCH_PY = os.path.join(BENCH_VENV, "bin", "python")
 BENCH_PACKAGES = ["bytewax==0.21.1", "numpy"]
@@ -70,7 +71,7 @@ def _count_batches(records: int, keys: int, batch: int, index: int, peers: int, 
     """This worker's ``(key, 1)`` records in batches (the same data for both engines)."""
     mine = records // peers
     rnd = random.Random(index)
-    data = [(rnd.randrange(keys), 1) for _ in range(mine)]
+    data: list[tuple] = [(rnd.randrange(keys), 1) for _ in range(mine)]
     if as_str:
         data = [(str(k), v) for k, v in data]
     return [data[i:i + batch] for i in range(0, mine, batch)]
@@ -86,26 +87,15 @@ def _nexmark_rounds(events: int, round_events: int, index: int, peers: int) -> t
     return rounds, gen.native is not None
 
 
-# -- our engine (runs under .venv/bin/python) ---------------------------------------------------
-def _start_barrier(worker):
-    """``wait()``, which returns once every worker has called it: the clocks start together, as
-    bytewax's do (``cluster_main`` connects every worker before the first ``next_batch``), not
-    while a slower worker is still generating its input."""
-    with worker.dataflow("start barrier") as scope:
-        inp = scope.new_input("Barrier")
-        probe = inp.stream.probe()
-
-    def wait():
-        inp.advance_to(1)
-        worker.step_while(lambda: probe.less_than(1))
-        inp.close()
-
-    return wait
-
-
+# -- our engine (runs under the project's interpreter) ------------------------------------------
+# The clocks start together once every worker is ready (start_together), as bytewax's do
+# (``cluster_main`` connects every worker before the first ``next_batch``), not while a slower
+# worker is still generating its input.
 def _ours_count(worker):
-    records, keys, batch, epoch_rounds = (int(a) for a in worker.args[1:])
-    barrier = _start_barrier(worker)
+    from nexmark.openloop import start_together
+    from timely import collector
+
+    records, keys, batch, epoch_rounds = (int(a) for a in worker.args[2:])
     batches = _count_batches(records, keys, batch, worker.index, worker.peers, False)
     acc = [0, 0]  # total, checksum
 
@@ -117,10 +107,8 @@ def _ours_count(worker):
     with worker.dataflow() as scope:
         inp = scope.new_input()
         probe = inp.stream.exchange(0).count_by_key(0).inspect_batch(seen).probe()
-    gc.collect()
-    gc.freeze()
-    barrier()
-    start = time.time()
+    collector.configure(worker.args[1])
+    start = start_together(worker, delay=0.0)
     for i, b in enumerate(batches):
         inp.send_batch(b)
         worker.step()  # process the batch now, as bytewax does after each next_batch
@@ -135,20 +123,20 @@ def _ours_count(worker):
 
 def _ours_nexmark(worker):
     from nexmark.model import Params
+    from nexmark.openloop import start_together
     from nexmark.queries import QUERIES, Streams
+    from timely import collector
+
     query = worker.args[0]
-    events, round_events, epoch_rounds = (int(a) for a in worker.args[1:])
-    barrier = _start_barrier(worker)
+    events, round_events, epoch_rounds = (int(a) for a in worker.args[2:])
     rounds, native = _nexmark_rounds(events, round_events, worker.index, worker.peers)
     counted = [0]
     with worker.dataflow() as scope:
         inputs = [scope.new_input(name) for name in ("Persons", "Auctions", "Bids")]
         out = QUERIES[query].build(Streams(*(i.stream for i in inputs)), Params())
         probe = out.inspect_batch(lambda t, b: counted.__setitem__(0, counted[0] + len(b))).probe()
-    gc.collect()
-    gc.freeze()
-    barrier()
-    start = time.time()
+    collector.configure(worker.args[1])
+    start = start_together(worker, delay=0.0)
     for i, batch in enumerate(rounds):
         for inp, recs in zip(inputs, batch):
             if recs:
@@ -165,18 +153,19 @@ def _ours_nexmark(worker):
             "checksum": 0, "native_gen": native}
 
 
-def _ours_main(workload: str, workers: int, params: list[str]) -> None:
-    sys.path.insert(0, ROOT)
+def _ours_run(workload: str, workers: int, params: list[str]) -> list[dict]:
+    """One run of ours (in the fresh process :func:`run_ours` starts): each worker's figures."""
     import timely
+
     job = _ours_count if workload == "count" else _ours_nexmark
-    results = timely.execute(job, workers=workers, args=[workload, *params])
-    print(json.dumps(results), flush=True)
+    return timely.execute(job, workers=workers, args=[workload, *params])
 
 
 # -- bytewax (runs under .venv-bench/bin/python) ------------------------------------------------
-def _import_generator_only() -> None:
-    """Make ``nexmark.generator`` (and the native generator) importable without the package
-    ``__init__`` files, which pull in the engine (msgpack, zmq) that .venv-bench does not have."""
+def _import_without_engine() -> None:
+    """Make ``nexmark.generator`` (and the native generator) and ``timely.collector`` importable
+    without the package ``__init__`` files, which pull in the engine (msgpack, zmq) that .venv-bench
+    does not have."""
     for name in ("nexmark", "timely"):
         if name not in sys.modules:
             mod = types.ModuleType(name)
@@ -190,6 +179,9 @@ def _bytewax_main(workload: str, workers: int, proc_id: int, addresses: list[str
     from bytewax.inputs import DynamicSource, StatelessSourcePartition
     from bytewax.outputs import DynamicSink, StatelessSinkPartition
     from bytewax.testing import cluster_main, run_main
+
+    _import_without_engine()
+    from timely.collector import configure
 
     marks = {"start": None, "end": None}
     acc = [0, 0]  # outputs (records, or the total count for the keyed count), checksum
@@ -239,14 +231,13 @@ def _bytewax_main(workload: str, workers: int, proc_id: int, addresses: list[str
     flow = Dataflow(f"peers_{workload}")
     native = None
     if workload == "count":
-        records, keys, batch = (int(a) for a in params[:3])
+        records, keys, batch = (int(a) for a in params[1:4])
         batches = _count_batches(records, keys, batch, proc_id, workers, True)
         inputs = sum(map(len, batches))
         s = op.input("records", flow, Source(batches))
         op.output("out", op.count_final("count", s, lambda x: x[0]), Sink(keyed=True))
     else:
-        _import_generator_only()
-        events, round_events = (int(a) for a in params[:2])
+        events, round_events = (int(a) for a in params[1:3])
         rounds, native = _nexmark_rounds(events, round_events, proc_id, workers)
         inputs = sum(r.total for r in rounds)
         persons, auctions, bids = ([r[k] for r in rounds] for k in range(3))
@@ -278,8 +269,7 @@ def _bytewax_main(workload: str, workers: int, proc_id: int, addresses: list[str
         else:
             raise SystemExit(f"unknown workload {workload}")
         op.output("out", out, Sink())
-    gc.collect()
-    gc.freeze()
+    configure(params[0])
     if workers == 1:
         run_main(flow)
     else:
@@ -301,20 +291,24 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _collect(procs: list[subprocess.Popen], timeout: float, what: str) -> list[dict]:
+    """Each process's last line of output (JSON), once all have exited; on a failure or after
+    ``timeout`` seconds, every process is killed and reaped and the run abandoned."""
     out = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise SystemExit(f"{what}: timed out after {timeout:.0f} s")
-        if p.returncode != 0:
-            for q in procs:
-                q.kill()
-            raise SystemExit(f"{what}: exit status {p.returncode}\n{stderr[-3000:]}")
-        res = json.loads(stdout.strip().splitlines()[-1])
-        out.extend(res if isinstance(res, list) else [res])
+    try:
+        for p in procs:
+            try:
+                stdout, stderr = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"{what}: timed out after {timeout:.0f} s") from None
+            if p.returncode != 0:
+                raise SystemExit(f"{what}: exit status {p.returncode}\n{stderr[-3000:]}")
+            res = json.loads(stdout.strip().splitlines()[-1])
+            out.extend(res if isinstance(res, list) else [res])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return out
 
 
@@ -328,12 +322,15 @@ def _summarise(results: list[dict]) -> dict:
 
 
 def run_ours(workload: str, workers: int, params: list[str], timeout: float) -> dict:
-    cmd = [OURS_PY, THIS, "--_ours", workload, str(workers), *params]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    return _summarise(_collect([p], timeout, f"ours {workload} x{workers}"))
+    """One run of ours in a fresh process; its summary."""
+    from nexmark.runner import run_fresh
+
+    return _summarise(run_fresh(_ours_run, workload, workers, params, timeout=timeout,
+                                name=f"ours {workload} x{workers}"))
 
 
 def run_bytewax(workload: str, workers: int, params: list[str], timeout: float) -> dict:
+    """One run of bytewax, one process per worker under .venv-bench; its summary."""
     addresses = [f"127.0.0.1:{port}" for port in _free_ports(workers)] if workers > 1 else []
     procs = [subprocess.Popen([BENCH_PY, THIS, "--_bytewax", workload, str(workers), str(i), ",".join(addresses),
                                *params], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -356,10 +353,10 @@ def setup() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--_ours":
-        return _ours_main(argv[1], int(argv[2]), argv[3:])
     if argv and argv[0] == "--_bytewax":
         return _bytewax_main(argv[1], int(argv[2]), int(argv[3]), [a for a in argv[4].split(",") if a], argv[5:])
+    from timely import collector  # here: the bytewax side above runs without the engine's packages
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setup", action="store_true", help="create .venv-bench, install bytewax into it, exit")
     parser.add_argument("--workloads", nargs="+", default=["count", "q1", "q2", "q3"],
@@ -373,27 +370,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epoch-rounds", type=int, default=16, help="ours: batches per epoch and worker")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    parser.add_argument("--gc", choices=collector.POLICIES, default="freeze",
+                        help="both engines' collector once the input is generated (timely.collector; default freeze)")
     opts = parser.parse_args(argv)
     print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
     if opts.setup:
         return setup()
-    for py, hint in ((OURS_PY, "make install"), (BENCH_PY, f"{shlex.join([sys.executable, THIS])} --setup")):
-        if not os.path.exists(py):
-            raise SystemExit(f"{py} is missing: run `{hint}` first")
+    if not os.path.exists(BENCH_PY):
+        raise SystemExit(f"{BENCH_PY} is missing: run `{shlex.join([sys.executable, THIS])} --setup` first")
     ver = subprocess.run([BENCH_PY, "-c", "import importlib.metadata as m; print(m.version('bytewax'))"],
                          capture_output=True, text=True).stdout.strip() or "not installed"
-    print(f"os.cpu_count() = {os.cpu_count()}; ours: {OURS_PY}; bytewax {ver}: {BENCH_PY}")
+    print(f"os.cpu_count() = {os.cpu_count()}; ours: {sys.executable}; bytewax {ver}: {BENCH_PY}")
     print(f"median of {opts.runs} runs; keyed count {opts.records:,} records over {opts.keys:,} keys; "
           f"NEXMark {opts.events:,} events; batches of {opts.round} per worker; ours: {opts.epoch_rounds} "
-          f"batches per epoch", flush=True)
+          f"batches per epoch; gc {opts.gc}", flush=True)
 
     plan = []
     for w in opts.workloads:
         if w == "count":
             plan.append(("count", opts.count_workers,
-                         [str(opts.records), str(opts.keys), str(opts.round), str(opts.epoch_rounds)]))
+                         [opts.gc, str(opts.records), str(opts.keys), str(opts.round), str(opts.epoch_rounds)]))
         else:
-            plan += [(w, n, [str(opts.events), str(opts.round), str(opts.epoch_rounds)]) for n in opts.workers]
+            plan += [(w, n, [opts.gc, str(opts.events), str(opts.round), str(opts.epoch_rounds)]) for n in opts.workers]
     rows, failures = [], []
     for workload, workers, params in plan:
         ours, theirs = [], []

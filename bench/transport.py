@@ -8,10 +8,14 @@ the median over ``--runs`` runs (both directions: the sum of the two directions)
 
     .venv/bin/python bench/transport.py                       # defaults: 1k and 10k batches, 5 runs
     .venv/bin/python bench/transport.py --transport tcp --records 4000000
+    .venv/bin/python bench/transport.py --layers raw --directions both --json   # + the rates as JSON
+
+``bench/exchange.py`` runs it (``--layers raw --directions both --json``) for its raw ceiling.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import shlex
@@ -22,8 +26,6 @@ import time
 
 import msgpack
 import zmq
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from timely.comm.endpoints import free_loopback_ports
 from timely.comm.zmq_allocator import ZmqAllocator
@@ -150,16 +152,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
     parser.add_argument("--layers", nargs="+", choices=["raw", "allocator"], default=["raw", "allocator"])
+    parser.add_argument("--directions", nargs="+", choices=["one-way", "both"], default=["one-way", "both"])
+    parser.add_argument("--json", action="store_true",
+                        help="end with one line of JSON: every row's layer, batch, direction and rates")
     opts = parser.parse_args(argv)
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
     print(f"os.cpu_count() = {os.cpu_count()}, pyzmq {zmq.pyzmq_version()}, libzmq {zmq.zmq_version()}, "
           f"msgpack {'.'.join(map(str, msgpack.version))}, python {sys.version.split()[0]}")
     print(f"transport {opts.transport}; {opts.records} records per direction per run; median of {opts.runs} runs")
     print(f"{'layer':<10} {'batch':>6} {'direction':<10} {'records/s (median)':>19} {'min':>12} {'max':>12}")
+    rows = []
     with tempfile.TemporaryDirectory(prefix="timely-bench-") as tmp:
         for layer in opts.layers:
             for size in opts.batch_sizes:
-                for both in (False, True):
+                for direction in opts.directions:
+                    both = direction == "both"
                     rates = []
                     for run in range(opts.runs):
                         if opts.transport == "ipc":
@@ -167,9 +174,12 @@ def main(argv: list[str] | None = None) -> None:
                         else:
                             endpoints = [f"tcp://127.0.0.1:{p}" for p in free_loopback_ports(2)]
                         rates.append(run_once(layer, endpoints, max(1, opts.records // size), size, both))
-                    print(f"{layer:<10} {size:>6} {'both' if both else 'one-way':<10} "
+                    rows.append({"layer": layer, "batch": size, "direction": direction, "rates": rates})
+                    print(f"{layer:<10} {size:>6} {direction:<10} "
                           f"{statistics.median(rates):>19,.0f} {min(rates):>12,.0f} {max(rates):>12,.0f}",
                           flush=True)
+    if opts.json:
+        print(json.dumps(rows))
 
 
 if __name__ == "__main__":

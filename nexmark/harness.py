@@ -31,7 +31,7 @@ class Run:
     params: Params = field(default_factory=Params)
     workers: int = 1
     flex: bool = False
-    bins: int = 4  # k: 2^k bins for the Megaphone variants
+    k: int = 4  # 2^k bins for the Megaphone variants
     moves: dict[int, dict[int, int]] = field(default_factory=dict)  # epoch -> {bin: worker} (worker 0 issues)
     lag: int = 2  # epochs the driver lets the output fall behind before stepping
     batching: int | None = None  # seed: send runs of 1-4 epochs at the run's first epoch (as a lagging driver)
@@ -54,10 +54,10 @@ class Run:
         return out
 
 
-def random_moves(seed: int, epochs: int, bins: int, workers: int, count: int = 4) -> dict[int, dict[int, int]]:
-    """``count`` random migrations (1-4 bins each to random workers) at random epochs."""
+def random_moves(seed: int, epochs: int, k: int, workers: int, count: int = 4) -> dict[int, dict[int, int]]:
+    """``count`` random migrations (1-4 of the ``2^k`` bins each to random workers) at random epochs."""
     rng = random.Random(seed)
-    nbins = 1 << bins
+    nbins = 1 << k
     moves: dict[int, dict[int, int]] = {}
     for e in sorted(rng.sample(range(epochs), min(count, epochs))):
         moves[e] = {rng.randrange(nbins): rng.randrange(workers) for _ in range(rng.randint(1, 4))}
@@ -80,7 +80,7 @@ def _job(run: Run) -> Any:
         with worker.dataflow() as scope:
             inputs = [scope.new_input(name) for name in ("Persons", "Auctions", "Bids")]
             streams = Streams(*(i.stream for i in inputs))
-            control = megaphone.ControlInput(scope, bins=run.bins) if run.flex else None
+            control = megaphone.ControlInput(scope, k=run.k) if run.flex else None
             out = QUERIES[run.query].build(streams, run.params, control)
             captured = out.capture()
             probe = out.probe()

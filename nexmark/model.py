@@ -37,10 +37,6 @@ P_ID, P_NAME, P_EMAIL, P_CARD, P_CITY, P_STATE, P_TIME = range(7)
 A_ID, A_ITEM, A_DESC, A_INITIAL, A_RESERVE, A_TIME, A_EXPIRES, A_SELLER, A_CATEGORY = range(9)
 B_AUCTION, B_BIDDER, B_PRICE, B_TIME = range(4)
 
-Person = tuple  # (id, name, email, credit_card, city, state, date_time)
-Auction = tuple  # (id, item_name, description, initial_bid, reserve, date_time, expires, seller, category)
-Bid = tuple  # (auction, bidder, price, date_time)
-
 US_STATES = ("AZ", "CA", "ID", "OR", "WA", "WY")
 US_CITIES = ("phoenix", "los angeles", "san francisco", "boise", "portland", "bend", "redmond", "seattle",
              "kent", "cheyenne")
@@ -95,10 +91,6 @@ class Config:
         """The first event number scheduled in ``epoch`` or later."""
         return -((-epoch * self.rate) // 1000)
 
-    def scheduled_seconds(self, n: int) -> float:
-        """Scheduled wall-clock time of event ``n``, in seconds after the start."""
-        return n / self.rate
-
 
 def last_epoch(x: int, d: int) -> int:
     """The last epoch that can hold an event with ``date_time < x`` (for ``x >= 1``).
@@ -107,11 +99,6 @@ def last_epoch(x: int, d: int) -> int:
     expiring at ``x``) is emitted at this epoch, once the epoch is complete.
     """
     return (x - 1) // d
-
-
-def event_epoch(date_time: int, d: int) -> int:
-    """The epoch in which an event with this ``date_time`` is scheduled (its latest stamp)."""
-    return date_time // d
 
 
 class Params(NamedTuple):

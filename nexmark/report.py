@@ -1,7 +1,8 @@
-"""Summaries, timelines and plots of benchmark runs (used by ``bench/nexmark.py``)."""
+"""Summaries, tables, timelines and plots of open-loop runs (``bench/nexmark_bench.py``, ``bench/migration.py``)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ class Summary:
     steps: list[dict] = field(default_factory=list)
     gc_counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # collections per generation, all workers
     gc_long: list[tuple[int, float, int, float]] = field(default_factory=list)  # (worker, start s, generation, s)
-    migration: dict[str, Any] = field(default_factory=dict)
+    migration: dict[int, dict[str, Any]] = field(default_factory=dict)  # per migration: migration_metrics
     query: str = ""
     strategy: str | None = None  # the migration strategy, if any
 
@@ -57,18 +58,12 @@ class Summary:
 def summarise(label: str, spec: Any, results: list[dict]) -> Summary:
     """Merge the per-worker results of a run."""
     tl = Timeline.merged([r["timeline"] for r in results])
-    rows = []
-    for i, hist in enumerate(tl.per_interval):
-        n = int(hist.sum())
-        if n:
-            p50, p99, mx = quantiles(hist, (0.5, 0.99, 1.0))
-            rows.append((i * INTERVAL, p50, p99, mx, n))
     width = max(len(r["acked_per_interval"]) for r in results)
     acked = [sum(r["acked_per_interval"][i] for r in results if i < len(r["acked_per_interval"])) for i in range(width)]
     s = Summary(label=label, rate=spec.rate, duration=spec.duration, workers=len(results),
                 sent=sum(r["sent"] for r in results), produced=sum(r["produced"] for r in results),
                 elapsed=max(r["elapsed"] for r in results), cpu=sum(r.get("cpu", 0.0) for r in results),
-                overall=quantiles(tl.overall), timeline=rows,
+                overall=quantiles(tl.overall), timeline=tl.rows(),
                 acked=acked, peak_rss=[r["peak_rss"] for r in results],
                 steps=[st for r in results for st in r["steps"]],
                 gc_counts=[sum(r["gc"]["counts"][g] for r in results) for g in range(3)],
@@ -78,7 +73,7 @@ def summarise(label: str, spec: Any, results: list[dict]) -> Summary:
     return s
 
 
-def migration_metrics(s: Summary) -> dict[str, Any]:
+def migration_metrics(s: Summary) -> dict[int, dict[str, Any]]:
     """Steps, duration (first issue to last completion) and the maximum latency of the records
     scheduled meanwhile, per migration."""
     by_mig: dict[int, list[dict]] = {}
@@ -115,7 +110,7 @@ def fmt_s(x: float | None) -> str:
     return f"{x:.2f}s"
 
 
-def _align(lines: list[list[str]]) -> str:
+def align(lines: list[list[str]]) -> str:
     """Rows of cells as text columns: the first left-aligned, the others right; a rule under the head."""
     widths = [max(len(r[i]) for r in lines) for i in range(len(lines[0]))]
     out = []
@@ -142,10 +137,11 @@ def table(rows: list[Summary]) -> str:
             " / ".join(fmt_s(m["duration"]) for m in mig) or "-",
             f"{max(s.peak_rss) / 2**20:,.0f} MiB",
         ])
-    return _align(lines)
+    return align(lines)
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: Sequence[float | None]) -> float:
+    """The median of the finite values (NaN if none)."""
     xs = sorted(x for x in xs if x is not None and not math.isnan(x))
     if not xs:
         return float("nan")
@@ -157,36 +153,29 @@ def median_table(groups: list[list[Summary]]) -> str:
     """One line per configuration (a group of repeated runs): the median of each figure over its
     runs, and for a migration the ratio of all-at-once's median maximum latency (same query and
     rate) to this strategy's."""
-    def first_mig(s: Summary, key: str) -> float | None:
-        return next(iter(s.migration.values()), {}).get(key)
+    def mig(g: list[Summary], key: str) -> float:
+        """The median over the runs of ``key`` of their first migration."""
+        return median([next(iter(s.migration.values()), {}).get(key) for s in g])
 
-    med = []
-    for g in groups:
-        med.append({
-            "g": g,
-            "mig_max": _median([first_mig(s, "max_latency") for s in g]),
-            "mig_dur": _median([first_mig(s, "duration") for s in g]),
-            "step": _median([first_mig(s, "max_step") for s in g]),
-        })
-    aao = {(m["g"][0].query, m["g"][0].rate): m["mig_max"] for m in med if m["g"][0].strategy == "all_at_once"}
+    aao = {(g[0].query, g[0].rate): mig(g, "max_latency") for g in groups if g[0].strategy == "all_at_once"}
     head = ["run", "runs", "rate/s", "throughput/s", "per CPU-s", "p50", "p99", "max", "migr. max", "migr. dur",
             "longest step", "all-at-once / this", "sustained"]
     lines = [head]
-    for m in med:
-        g = m["g"]
+    for g in groups:
         s0 = g[0]
+        mig_max = mig(g, "max_latency")
         ratio = aao.get((s0.query, s0.rate)) if s0.strategy else None
         lines.append([
-            s0.label, str(len(g)), f"{s0.rate:,}", f"{_median([s.throughput for s in g]):,.0f}",
-            f"{_median([s.per_cpu_second for s in g]):,.0f}",
-            fmt_s(_median([s.overall[1] for s in g])), fmt_s(_median([s.overall[4] for s in g])),
-            fmt_s(_median([s.overall[6] for s in g])),
-            fmt_s(m["mig_max"]) if s0.strategy else "-", fmt_s(m["mig_dur"]) if s0.strategy else "-",
-            fmt_s(m["step"]) if s0.strategy else "-",
-            f"{ratio / m['mig_max']:.1f}x" if ratio and m["mig_max"] and not math.isnan(ratio / m["mig_max"]) else "-",
+            s0.label, str(len(g)), f"{s0.rate:,}", f"{median([s.throughput for s in g]):,.0f}",
+            f"{median([s.per_cpu_second for s in g]):,.0f}",
+            fmt_s(median([s.overall[1] for s in g])), fmt_s(median([s.overall[4] for s in g])),
+            fmt_s(median([s.overall[6] for s in g])),
+            fmt_s(mig_max) if s0.strategy else "-", fmt_s(mig(g, "duration")) if s0.strategy else "-",
+            fmt_s(mig(g, "max_step")) if s0.strategy else "-",
+            f"{ratio / mig_max:.1f}x" if ratio and mig_max and not math.isnan(ratio / mig_max) else "-",
             f"{sum(s.sustained for s in g)}/{len(g)}",
         ])
-    return _align(lines)
+    return align(lines)
 
 
 def timeline_text(s: Summary, every: float = INTERVAL) -> str:
@@ -211,30 +200,71 @@ def write_csv(s: Summary, path: str) -> None:
 def plot(s: Summary, path: str, title: str) -> None:
     """A PNG like the paper's timeline figures: latency percentiles per 250 ms (log scale) over the
     records' scheduled time, throughput below, migrations shaded."""
+    spans = [(m["start"], m["start"] + (m["duration"] if m["duration"] is not None else INTERVAL), "migration")
+             for m in s.migration.values()]
+    acked = np.array(s.acked[:int(s.elapsed / INTERVAL) + 2], dtype=float) / INTERVAL
+    plot_timelines([{"label": title, "timeline": s.timeline, "spans": spans}], path,
+                   throughput=(np.arange(len(acked)) * INTERVAL, acked), xlabel="time [s]")
+
+
+LINES = (("max", 3, "tab:red"), ("p99", 2, "tab:orange"), ("p50", 1, "tab:blue"))  # (label, row field, colour)
+
+
+def plot_timelines(panels: Sequence[dict[str, Any]], path: str, title: str = "",
+                   throughput: tuple[Any, Any] | None = None, xlabel: str = "scheduled time [s]") -> str:
+    """Draw ``panels`` to ``path`` (PNG), stacked with a shared time axis; return ``path``.
+
+    A panel is ``{"label": str, "timeline": rows, "spans": [(lo, hi, label), ...],
+    "hlines": [(y seconds, label), ...], "note": str}``; its rows are :meth:`Timeline.rows`
+    ``(start s, p50, p99, max, samples)``. Latencies are plotted in milliseconds on a log axis
+    shared by all panels. ``throughput`` ``(seconds, records/s)`` adds an axis below, spans shaded.
+    matplotlib (the ``bench`` extra) is imported here, with the non-interactive Agg backend.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    if s.timeline:
-        t = np.array([r[0] for r in s.timeline])
-        for col, label, style in ((3, "max", "-"), (2, "p99", "-"), (1, "p50", "-")):
-            ax.plot(t, [r[col] * 1e3 for r in s.timeline], style, label=label, linewidth=1)
-    ax.set_yscale("log")
-    ax.set_ylabel("latency [ms]")
-    ax.grid(True, which="both", alpha=0.3)
-    for m in s.migration.values():
-        end = m["start"] + (m["duration"] if m["duration"] is not None else 0.25)
-        for a in (ax, ax2):
-            a.axvspan(m["start"], end, color="orange", alpha=0.25)
-    ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(title, fontsize=10)
-    acked = np.array(s.acked[:int(s.elapsed / INTERVAL) + 2], dtype=float) / INTERVAL
-    ax2.plot(np.arange(len(acked)) * INTERVAL, acked / 1e3, linewidth=1)
-    ax2.set_ylabel("k records/s")
-    ax2.set_xlabel("time [s]")
-    ax2.grid(True, alpha=0.3)
+    n = len(panels) + (throughput is not None)
+    ratios = [3] * len(panels) + ([1] if throughput is not None else [])
+    fig, axes = plt.subplots(n, 1, figsize=(10, 2.3 * sum(ratios) / 3 + 1.6), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": ratios})
+    lo_y, hi_y = np.inf, 0.0
+    for ax, panel in zip(axes[:len(panels), 0], panels):
+        rows = panel["timeline"]
+        x = np.array([r[0] for r in rows]) + INTERVAL / 2
+        for label, col, color in LINES:
+            y = np.array([r[col] for r in rows], dtype=float) * 1e3
+            ax.plot(x, y, label=label, color=color, lw=1.2, drawstyle="steps-mid")
+            finite = y[np.isfinite(y) & (y > 0)]
+            if len(finite):
+                lo_y, hi_y = min(lo_y, finite.min()), max(hi_y, finite.max())
+        shades: dict[str, str] = {}  # span label -> grey (the first label darker), labelled once
+        for a, b, label in panel.get("spans", []):
+            first = label not in shades
+            shade = shades.setdefault(label, "0.85" if not shades else "0.92")
+            ax.axvspan(a, b, color=shade, zorder=0, label=label if first else None)
+        for y, label in panel.get("hlines", []):
+            ax.axhline(y * 1e3, color="k", ls="--", lw=0.8, label=label)
+        ax.set_yscale("log")
+        ax.set_ylabel("latency [ms]")
+        ax.set_title(panel["label"] + (f"  ({panel['note']})" if panel.get("note") else ""), fontsize=9, loc="left")
+        ax.grid(True, which="major", axis="y", alpha=0.3)
+        ax.legend(loc="upper left", fontsize=7, ncol=6)
+    if np.isfinite(lo_y):
+        for ax in axes[:len(panels), 0]:
+            ax.set_ylim(max(lo_y / 2, 1e-2), hi_y * 3)
+    if throughput is not None:
+        ax = axes[-1, 0]
+        ax.plot(throughput[0], np.asarray(throughput[1]) / 1e3, lw=1)
+        for a, b, _ in (s for panel in panels for s in panel.get("spans", [])):
+            ax.axvspan(a, b, color="0.85", zorder=0)
+        ax.set_ylabel("k records/s")
+        ax.grid(True, alpha=0.3)
+    axes[-1, 0].set_xlabel(xlabel)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path

@@ -104,8 +104,8 @@ def test_native_query_matches_reference(query, workers):
 @queries_param
 @pytest.mark.timeout(120)
 def test_megaphone_query_with_migrations_matches_reference(query, workers):
-    run = Run(query, CONFIG, EVENTS, PARAMS, workers=workers, flex=True, bins=4)
-    run.moves = random_moves(seed=int(query[1:]) * 10 + workers, epochs=run.epochs, bins=run.bins,
+    run = Run(query, CONFIG, EVENTS, PARAMS, workers=workers, flex=True, k=4)
+    run.moves = random_moves(seed=int(query[1:]) * 10 + workers, epochs=run.epochs, k=run.k,
                              workers=workers, count=6)
     if workers > 1:  # some bin really leaves its initial worker (bin b starts on b % workers)
         assert any(w != b % workers for m in run.moves.values() for b, w in m.items())
@@ -120,19 +120,19 @@ def test_queries_with_batched_stamps(query, workers):
     for flex in (False, True):
         run = Run(query, CONFIG, EVENTS, PARAMS, workers=workers, flex=flex, batching=workers + 17)
         if flex:
-            run.moves = random_moves(seed=workers, epochs=run.epochs, bins=run.bins, workers=workers)
+            run.moves = random_moves(seed=workers, epochs=run.epochs, k=run.k, workers=workers)
         check(run)
 
 
 @pytest.mark.timeout(120)
 def test_driver_history_then_measured_phase_with_migration():
-    """``bench/nexmark.py --history``: the first second of events is replayed before measuring, the
+    """``bench/nexmark_bench.py --history``: the first second of events is replayed before measuring, the
     measured phase continues the same stream (and migrates bins while it runs). The measured phase
     sends exactly its own events, and its output is exactly the reference output at its epochs
     (a pair of Q3 is emitted in the measured phase iff one of its records belongs to it)."""
     from nexmark.driver import Spec, run
 
-    spec = Spec(query="q3", flex=True, rate=20_000, duration=1.5, history=1.0, workers=2, bins=4,
+    spec = Spec(query="q3", flex=True, rate=20_000, duration=1.5, history=1.0, workers=2, k=4,
                 migration="batched", migrate_at=[0.5], progress=False, drain_timeout=60)
     results = run(spec)
     first, end = spec.config().first_event(1000), spec.config().first_event(2500)
@@ -164,33 +164,3 @@ def test_median_table_medians_and_all_at_once_ratio():
     assert aao.split()[-2:] == ["1.0x", "3/3"] and "200.0ms" in aao
     assert "20.0ms" in batched and "3.0ms" in batched  # median max latency, median p50
     assert batched.split()[-2] == "10.0x"  # 200 ms / 20 ms
-
-
-def test_paced_collection_reclaims_young_cycles_and_freezes_survivors():
-    """``--gc paced``: each beat collects the young generation (cyclic garbage in it is freed) and
-    freezes what survives, so that no later collection traverses it."""
-    import gc
-    import weakref
-
-    from nexmark.driver import _paced_collection
-
-    class Node:
-        pass
-
-    was_enabled, frozen_before = gc.isenabled(), gc.get_freeze_count()
-    gc.disable()
-    try:
-        cyclic = Node()
-        cyclic.self = cyclic
-        ref = weakref.ref(cyclic)
-        del cyclic
-        survivors = [[i] for i in range(1000)]
-        _paced_collection()
-        assert ref() is None  # the young cycle was collected
-        assert gc.get_count()[0] == 0
-        assert all(gc.is_tracked(x) for x in survivors)
-        assert gc.get_freeze_count() >= frozen_before + len(survivors)  # survivors went to the permanent generation
-    finally:
-        gc.unfreeze()
-        if was_enabled:
-            gc.enable()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import megaphone
@@ -227,61 +228,64 @@ def closed_auctions_flex(s: Streams, control: Any, p: Params) -> timely.Stream:
     return m.stream
 
 
-def _q4_apply(sums: dict) -> Any:
-    def apply(t: Any, closed: list) -> list:
-        changed = set()
-        for c in closed:
-            cat = c[C_CATEGORY]
-            acc = sums.get(cat)
-            if acc is None:
-                acc = sums[cat] = [0, 0]
-            acc[0] += c[C_PRICE]
-            acc[1] += 1
-            changed.add(cat)
-        return [(cat, sums[cat][0] // sums[cat][1]) for cat in sorted(changed)]
+def _q4_update(sums: dict, closed: list) -> list:
+    """Q4's step: add the closing prices to their categories' sums; the changed averages."""
+    changed = set()
+    for c in closed:
+        cat = c[C_CATEGORY]
+        acc = sums.get(cat)
+        if acc is None:
+            acc = sums[cat] = [0, 0]
+        acc[0] += c[C_PRICE]
+        acc[1] += 1
+        changed.add(cat)
+    return [(cat, sums[cat][0] // sums[cat][1]) for cat in sorted(changed)]
 
-    return apply
+
+def _q6_update(last: dict, closed: list) -> list:
+    """Q6's step: append the closing prices to their sellers' last 10; the changed averages."""
+    changed = set()
+    closed.sort(key=lambda c: (c[C_EXPIRES], c[C_AUCTION]))
+    for c in closed:
+        seller = c[C_SELLER]
+        prices = last.get(seller)
+        if prices is None:
+            prices = last[seller] = deque(maxlen=10)
+        prices.append(c[C_PRICE])
+        changed.add(seller)
+    return [(seller, sum(last[seller]) // len(last[seller])) for seller in sorted(changed)]
+
+
+def _per_closed(s: Streams, p: Params, control: Any, key: int, update: Callable[[dict, list], list],
+                name: str) -> timely.Stream:
+    """Closed auctions, then per time ``update(state, closed auctions)`` with the state keyed by
+    field ``key``: on engine operators without ``control``, else with both the auction state and
+    this state migratable."""
+    if control is None:
+        state: dict = {}
+        return per_time_groups(closed_auctions(s, p), key, lambda t, closed: update(state, closed), f"{name} average")
+
+    def fold(t: Any, closed: list, timers: list, state: dict, notificator: Any) -> list:
+        return update(state, closed)
+
+    return megaphone.unary(closed_auctions_flex(s, control, p), control, key, fold, name=f"{name} flex").stream
 
 
 def q4(s: Streams, p: Params) -> timely.Stream:
     """Q4 on engine operators: closed auctions, then a per-category running average."""
-    return per_time_groups(closed_auctions(s, p), C_CATEGORY, _q4_apply({}), "Q4 average")
+    return _per_closed(s, p, None, C_CATEGORY, _q4_update, "Q4")
 
 
 def q4_flex(s: Streams, control: Any, p: Params) -> timely.Stream:
     """Q4 with both the auction state and the per-category sums migratable."""
-    def fold(t: Any, closed: list, timers: list, state: dict, notificator: Any) -> list:
-        return _q4_apply(state)(t, closed)
-
-    closed = closed_auctions_flex(s, control, p)
-    return megaphone.unary(closed, control, C_CATEGORY, fold, name="Q4 flex").stream
-
-
-def _q6_apply(last: dict) -> Any:
-    def apply(t: Any, closed: list) -> list:
-        changed = set()
-        closed.sort(key=lambda c: (c[C_EXPIRES], c[C_AUCTION]))
-        for c in closed:
-            seller = c[C_SELLER]
-            prices = last.get(seller)
-            if prices is None:
-                prices = last[seller] = deque(maxlen=10)
-            prices.append(c[C_PRICE])
-            changed.add(seller)
-        return [(seller, sum(last[seller]) // len(last[seller])) for seller in sorted(changed)]
-
-    return apply
+    return _per_closed(s, p, control, C_CATEGORY, _q4_update, "Q4")
 
 
 def q6(s: Streams, p: Params) -> timely.Stream:
     """Q6 on engine operators: closed auctions, then per seller the average of the last 10."""
-    return per_time_groups(closed_auctions(s, p), C_SELLER, _q6_apply({}), "Q6 average")
+    return _per_closed(s, p, None, C_SELLER, _q6_update, "Q6")
 
 
 def q6_flex(s: Streams, control: Any, p: Params) -> timely.Stream:
     """Q6 with both the auction state and the per-seller prices migratable."""
-    def fold(t: Any, closed: list, timers: list, state: dict, notificator: Any) -> list:
-        return _q6_apply(state)(t, closed)
-
-    closed = closed_auctions_flex(s, control, p)
-    return megaphone.unary(closed, control, C_SELLER, fold, name="Q6 flex").stream
+    return _per_closed(s, p, control, C_SELLER, _q6_update, "Q6")

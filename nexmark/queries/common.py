@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import timely
-from timely.dataflow.capability import Capability
+from timely import Capability
 
 
 class Streams(NamedTuple):
@@ -20,13 +20,13 @@ class Streams(NamedTuple):
 NEVER = float("inf")  # the bound of an empty frontier
 
 
-def frontier_bound(*frontiers: Any) -> Any:
+def frontier_bound(*frontiers: timely.Frontier) -> Any:
     """The earliest time any of these input frontiers may still deliver (``NEVER`` if none).
 
     Queries run in the top-level scope, whose times are integers (totally ordered): a time ``t``
     is complete on every input exactly when ``t < frontier_bound(...)``.
     """
-    return min([t for f in frontiers for t in f.frontier], default=NEVER)
+    return min([t for f in frontiers for t in f], default=NEVER)
 
 
 class HeldCaps:

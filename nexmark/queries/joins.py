@@ -22,6 +22,19 @@ from ..model import A_CATEGORY, A_ID, A_SELLER, A_TIME, P_CITY, P_ID, P_NAME, P_
 from .common import HeldCaps, Streams, emit_by_time, frontier_bound
 
 
+def _seen_or_wait(state: dict, person: int, auction: int, t: int) -> Any:
+    """An auction's side of the native joins: the person's entry if the person has been seen (a
+    tuple), else ``None`` after adding ``(auction, t)`` to the list of auctions waiting for them."""
+    e = state.get(person)
+    if e is None:
+        state[person] = [(auction, t)]
+    elif type(e) is list:
+        e.append((auction, t))
+    else:
+        return e
+    return None
+
+
 def _q3_inputs(s: Streams, p: Params) -> tuple[timely.Stream, timely.Stream]:
     cat, states = p.q3_category, frozenset(p.q3_states)
     auctions = s.auctions.map_batch(lambda b: [(a[A_SELLER], a[A_ID]) for a in b if a[A_CATEGORY] == cat],
@@ -48,12 +61,8 @@ def q3(s: Streams, p: Params) -> timely.Stream:
                 held.hold(icap, bound)
                 res: dict[int, list] = {}
                 for seller, aid in batch:
-                    e = state.get(seller)
-                    if e is None:
-                        state[seller] = [(aid, t)]
-                    elif type(e) is list:
-                        e.append((aid, t))
-                    else:
+                    e = _seen_or_wait(state, seller, aid, t)
+                    if e is not None:
                         res.setdefault(max(t, e[3]), []).append((e[0], e[1], e[2], aid))
                 emit_by_time(out, icap, held, res)
             for icap, batch in in2:  # persons (id, name, city, state)
@@ -79,7 +88,7 @@ def q3_flex(s: Streams, control: Any, p: Params) -> timely.Stream:
     auctions, persons = _q3_inputs(s, p)
 
     def fold(t: Any, auctions: list, persons: list, timers: list, state: dict, notificator: Any) -> list:
-        out = []
+        out: list[tuple] = []
         for pid, name, city, st in persons:
             waiting = state.get(pid)
             if waiting is not None:
@@ -138,12 +147,8 @@ def q8(s: Streams, p: Params) -> timely.Stream:
                     w = windows.get(dt // width)
                     if w is None:
                         w = windows[dt // width] = {}
-                    e = w.get(seller)
-                    if e is None:
-                        w[seller] = [(aid, t)]
-                    elif type(e) is list:
-                        e.append((aid, t))
-                    else:
+                    e = _seen_or_wait(w, seller, aid, t)
+                    if e is not None:
                         res.setdefault(max(t, e[1]), []).append((seller, e[0], aid))
                 emit_by_time(out, icap, held, res)
             held.release(frontier_bound(in1.frontier, in2.frontier))
@@ -163,7 +168,7 @@ def q8_flex(s: Streams, control: Any, p: Params) -> timely.Stream:
     width, d = p.q8_window_ms, p.d
 
     def fold(t: Any, persons: list, auctions: list, timers: list, state: dict, notificator: Any) -> list:
-        out = []
+        out: list[tuple] = []
         # State keys: (window, person id) -> name | [auction, ...]; (window, None) marks a purge timer.
         for pid, name, dt in persons:
             k = dt // width

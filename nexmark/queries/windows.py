@@ -62,6 +62,7 @@ class SlidingCounts:
         """Close the window ending at ``next_end``: ``(end, auction, count)`` of its top auction
         (``None`` if it holds no bid); move ``next_end`` on (to ``None`` when nothing is held)."""
         end = self.next_end
+        assert end is not None, "advance() is called only while a window is held (next_end set)"
         k = end // self.slide - 1
         counts = self.counts
         for a, c in self.slices.get(k, {}).items():
@@ -100,6 +101,7 @@ def q5(s: Streams, p: Params) -> timely.Stream:
         def logic(inp: Any, out: Any) -> None:
             for icap, batch in inp:
                 win.add(batch)
+                assert win.next_end is not None  # a batch holds a bid, so a window is held
                 due = last_epoch(win.next_end, d)
                 if held[0] is None or held[0].time > due:
                     new = icap.delayed(due)

@@ -8,10 +8,10 @@ A run "sustains" its rate when the output is complete within 1 s of the end of t
 p99 latency stays under 1 s. "per CPU-s" is events per CPU-second used by all workers (a capacity
 estimate that contention from other processes distorts less than wall-clock throughput).
 
-    .venv/bin/python bench/nexmark.py --query q1,q3 --variant both --rate 100000 --duration 20
-    .venv/bin/python bench/nexmark.py --query q3 --variant megaphone --workers 2 --rate 50000 \\
+    .venv/bin/python bench/nexmark_bench.py --query q1,q3 --variant both --rate 100000 --duration 20
+    .venv/bin/python bench/nexmark_bench.py --query q3 --variant megaphone --workers 2 --rate 50000 \\
         --duration 30 --migration batched --migrate-at 15
-    .venv/bin/python bench/nexmark.py --check              # every query vs the reference, 1-3 workers
+    .venv/bin/python bench/nexmark_bench.py --check        # every query vs the reference, 1-3 workers
 
 Event time runs ``--time-dilation`` times faster than wall time (the paper uses 60 for Q5 and 79
 for Q8). Windows are in event time: ``--param q5_window_ms=60000`` etc. (see nexmark.model.Params).
@@ -26,13 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from nexmark.driver import Spec, run, run_isolated
+from nexmark.driver import Spec, run
 from nexmark.harness import Run, diff, execute, expected, random_moves
 from nexmark.model import Config, Params
 from nexmark.queries import QUERIES
 from nexmark.report import Summary, fmt_s, median_table, plot, summarise, table, timeline_text, write_csv
+from nexmark.runner import run_fresh
+from timely import collector
 
 
 def parse_params(items: list[str]) -> dict:
@@ -57,7 +57,7 @@ def check(queries: list[str], variants: list[bool], workers: list[int], events: 
             for w in workers:
                 r = Run(q, config, events, params, workers=w, flex=flex)
                 if flex:
-                    r.moves = random_moves(seed + w, r.epochs, r.bins, w, count=6)
+                    r.moves = random_moves(seed + w, r.epochs, r.k, w, count=6)
                 started = time.perf_counter()
                 got = execute(r)
                 problem = diff(got, want)
@@ -73,7 +73,7 @@ def bench_one(args: argparse.Namespace, q: str, flex: bool, rate: int, params: d
     """Run one query variant at one rate (with ``migration``, the Megaphone variant only); print
     its figures; write its CSV, JSON and PNG."""
     spec = Spec(query=q, flex=flex, rate=rate, duration=args.duration, workers=args.workers,
-                time_dilation=args.time_dilation, seed=args.seed, bins=args.bins,
+                time_dilation=args.time_dilation, seed=args.seed, k=args.k,
                 migration=migration if flex else None, migrate_at=args.migrate_at if flex else [],
                 params=params, in_flight_auctions=args.in_flight_auctions, progress=not args.no_progress, gc=args.gc,
                 history=args.history, skew=args.skew)
@@ -81,7 +81,7 @@ def bench_one(args: argparse.Namespace, q: str, flex: bool, rate: int, params: d
     runs = f" (run {run_no + 1} of {args.runs})" if args.runs > 1 else ""
     print(f"\n== {label}{runs}: {rate:,} events/s for {args.duration:g} s on {args.workers} worker(s)"
           + (f" after {args.history:g} s of history" if args.history else ""), flush=True)
-    s = summarise(label, spec, run_isolated(spec) if args.isolate else run(spec))
+    s = summarise(label, spec, run_fresh(run, spec, name=f"nexmark-{label}") if args.isolate else run(spec))
     o = s.overall
     print(f"sent {s.sent:,} events, {s.produced:,} output records; throughput {s.throughput:,.0f} events/s "
           f"({s.throughput / s.workers:,.0f} per worker); {s.per_cpu_second:,.0f} events per CPU-second; "
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of input (default 10)")
     ap.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
     ap.add_argument("--time-dilation", type=int, default=1, help="event time / wall time (default 1)")
-    ap.add_argument("--bins", type=int, default=8, help="k: 2^k Megaphone bins (default 8)")
+    ap.add_argument("--k", type=int, default=8, help="2^k Megaphone bins (default 8)")
     ap.add_argument("--migration", default=None,
                     help="migration strategy: all_at_once, fluid or batched, or a comma-separated list run in turn "
                          "(Megaphone variant; needs --migrate-at)")
@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
     ap.add_argument("--timeline", action="store_true", help="print the per-250 ms timeline (p50, p99, max, samples)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--gc", choices=("tuned", "paced", "off", "default"), default="tuned",
-                    help="worker garbage collector in the measured phase (default tuned: freeze + rare collections; "
-                         "paced: freeze + a young collection every 50 ms, survivors frozen)")
+    ap.add_argument("--gc", choices=collector.POLICIES, default="tuned",
+                    help="worker garbage collector in the measured phase (timely.collector; default tuned: freeze + "
+                         "rare collections; paced: freeze + a young collection every 50 ms, survivors frozen)")
     ap.add_argument("--no-isolate", dest="isolate", action="store_false",
                     help="run in this process instead of a fresh one per run (peak RSS then accumulates)")
     ap.add_argument("--check", action="store_true", help="verify the queries against the reference and exit")

@@ -1,8 +1,8 @@
 """Spark bridge throughput: rows/s from a Spark DataFrame into a timely cluster and back.
 
-    python bench/spark_bridge.py [--rows 5000000] [--workers 2] [--reps 3] [--partitions 4]
+    python bench/spark_bridge_bench.py [--rows 5000000] [--workers 2] [--reps 3] [--partitions 4]
 
-Starts ``python -m timely.launch -w W bench/spark_bridge.py --job ...`` (this file is also the
+Starts ``python -m timely.launch -w W bench/spark_bridge_bench.py --job ...`` (this file is also the
 timely job: sources whose rows are counted, and sources echoed into sinks), builds a local[2] SparkSession, and
 for a DataFrame of ``--rows`` ``(key bigint, value bigint)`` rows generated in the JVM measures, in
 the same run, with one untimed warm-up and the median of ``--reps`` timed runs:
@@ -33,11 +33,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# This file is named like the package it measures: keep bench/ off the import path.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 SCHEMA = "key bigint, value bigint"
 
 
@@ -103,7 +98,6 @@ def run(argv=None) -> int:
 
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)
     import spark_bridge
     from spark_bridge.datasource import _SinkClient
 

@@ -1,0 +1,279 @@
+"""The keyed-count migration benchmark on one worker (``bench/migration.py``, which describes it).
+
+A keyed count over pre-loaded keys, fed open-loop (:mod:`nexmark.openloop`) and measured while
+half of its bins move: with Megaphone's state machine and one of its strategies, or with the
+stop-and-restart baseline on a plain (non-migratable) operator. :func:`execute` runs one
+configuration on worker processes; :func:`job` is one worker's part.
+"""
+from __future__ import annotations
+
+import cProfile
+import json
+import math
+import os
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+
+import megaphone
+import timely
+from timely import collector, routing
+
+from .metrics import RssSampler, max_rss_bytes, runqueue_wait
+from .openloop import Completions, Schedule, start_together
+
+MODES = (*megaphone.STRATEGIES, "restart", "none")  # none: Megaphone without a migration (steady-state overhead)
+DEFAULT_MODES = (*megaphone.STRATEGIES, "restart")
+CHUNK = megaphone.operators.DEFAULT_CHUNK  # state entries per shipped message (Megaphone's default)
+
+
+def logical(e: int, epoch_ms: int) -> int:
+    """Dataflow time of measured epoch ``e``: the elapsed millisecond at which it starts, plus 1
+    (time 0 is the pre-load)."""
+    return 1 + e * epoch_ms
+
+
+def half_swap(table: tuple[int, ...], peers: int) -> tuple[int, ...]:
+    """Every worker gives the first half of its bins (in bin order) to the next worker: half of all
+    bins move and the load stays balanced."""
+    owned: dict[int, list[int]] = {}
+    for b, w in enumerate(table):
+        owned.setdefault(w, []).append(b)
+    new = list(table)
+    for w, bins in owned.items():
+        for b in bins[: len(bins) // 2]:
+            new[b] = (w + 1) % peers
+    return tuple(new)
+
+
+def fold(key: Any, value: int, state: int | None) -> tuple[int, tuple]:
+    """The keyed count: add the value to the key's sum (no output records)."""
+    return (value if state is None else state + value), ()
+
+
+# -- the plain (non-migratable) operator of the stop-and-restart baseline ----------------------------
+
+def table_partitioner(table: tuple[int, ...], k: int) -> Callable[[Any, Sequence, int], list]:
+    """A static exchange by the bin routing table (the same Cython routing Megaphone uses)."""
+
+    def partition(time: Any, batch: Sequence, peers: int) -> list:
+        return routing.route_bins(batch, 0, k, table, peers)[0]
+
+    return partition
+
+
+def build_plain(worker: timely.Worker, table: tuple[int, ...] | None, k: int,
+                state: dict) -> tuple[timely.InputHandle, timely.ProbeHandle]:
+    """A dataflow: input -> exchange -> keyed count applying complete times in time order into
+    ``state``. The exchange is timely's plain ``Exchange`` by key (``hash64(key) % peers``) when
+    ``table`` is None, else by the bin routing ``table``. Returns ``(input, probe)``."""
+
+    def count(cap: Any, info: Any) -> Callable[[Any, Any], None]:
+        cap.drop()
+        pending: dict = {}  # time -> (capability, batches)
+
+        def logic(inp: Any, out: Any) -> None:
+            for c, batch in inp:
+                entry = pending.get(c.time)
+                if entry is None:
+                    pending[c.time] = (c.retain(), [batch])
+                else:
+                    entry[1].append(batch)
+            if pending:
+                for t in sorted(pending):
+                    if inp.frontier.less_equal(t):
+                        break
+                    c, batches = pending.pop(t)
+                    get = state.get
+                    outputs: list = []
+                    for b in batches:
+                        for key, value in b:
+                            new, outs = fold(key, value, get(key))
+                            state[key] = new
+                            if outs:
+                                outputs.extend(outs)
+                    if outputs:
+                        out.give_batch(c, outputs)
+                    c.drop()
+
+        return logic
+
+    with worker.dataflow() as scope:
+        data = scope.new_input("Data")
+        pact = 0 if table is None else timely.Distribute(table_partitioner(table, k))
+        probe = data.stream.unary_frontier(count, name="PlainCount", exchange=pact).probe()
+    return data, probe
+
+
+def transfer_state(worker: timely.Worker, state: dict, table: tuple[int, ...], k: int) -> tuple[dict, dict]:
+    """Stop-and-restart's state move: serialise every entry of ``state``, send it to its owner under
+    ``table`` through a dataflow built now, rebuild. Returns ``(new state, timings)``."""
+    t0 = time.perf_counter()
+    items = list(state.items())
+    state.clear()
+    parts = routing.route_bins(items, 0, k, table, worker.peers)[0]
+    del items
+    msgs = [(w, pickle.dumps(part[lo:lo + CHUNK], protocol=5))
+            for w, part in enumerate(parts) for lo in range(0, len(part), CHUNK)]
+    del parts
+    t1 = time.perf_counter()
+    nbytes = sum(len(m[1]) for m in msgs)
+    new_state: dict = {}
+
+    def install(cap: Any, info: Any) -> Callable[[Any, Any], None]:
+        cap.drop()
+
+        def logic(inp: Any, out: Any) -> None:
+            for _, batch in inp:
+                for _, payload in batch:
+                    new_state.update(pickle.loads(payload))
+
+        return logic
+
+    def by_owner(time: Any, batch: Sequence, peers: int) -> list:
+        return [[m for m in batch if m[0] == w] for w in range(peers)]  # a message goes to the worker it names
+
+    with worker.dataflow() as scope:
+        inp = scope.new_input("StateIn")
+        probe = inp.stream.unary(install, name="StateInstall", exchange=timely.Distribute(by_owner)).probe()
+    while msgs:
+        inp.send_batch([msgs.pop()])
+    inp.close()
+    worker.step_while(lambda: not probe.done())
+    t2 = time.perf_counter()
+    return new_state, {"serialise_s": t1 - t0, "exchange_install_s": t2 - t1, "bytes": nbytes,
+                       "entries": len(new_state)}
+
+
+# -- one run on one worker -----------------------------------------------------------------------
+
+def job(worker: timely.Worker) -> dict:
+    """One worker's run of the configuration in ``worker.args[0]`` (JSON); its measurements."""
+    cfg = json.loads(worker.args[0])
+    mode, k, epoch_ms = cfg["mode"], cfg["bins"], cfg["epoch_ms"]
+    index, peers = worker.index, worker.peers
+    rss = RssSampler(0.05, start=0.0)  # absolute time.time() stamps
+    table0 = megaphone.balanced(1 << k, peers)
+    target = half_swap(table0, peers)
+    sched = Schedule(cfg["rate"], epoch_ms, index, peers)
+    epochs = math.ceil(cfg["duration"] * 1000 / epoch_ms - 1e-9)  # (float noise: 4.1 s of 5 ms is 820)
+    keys = np.random.default_rng([cfg["seed"], index]).integers(0, cfg["keys"], sched.records(0, epochs)[1])
+
+    control = mig = None
+    state: dict = {}
+    if mode == "restart":
+        data, probe = build_plain(worker, None, k, state)  # timely's plain exchange until the restart
+    else:
+        with worker.dataflow() as scope:
+            data = scope.new_input("Data")
+            control = megaphone.ControlInput(scope, k=k)
+            mig = megaphone.state_machine(data.stream, control, 0, fold)
+            probe = mig.probe
+
+    # Pre-load: one record per key at time 0.
+    t_load = time.time()
+    mine = np.arange(index, cfg["keys"], peers)
+    for lo in range(0, len(mine), 1 << 16):
+        part = mine[lo:lo + (1 << 16)].tolist()
+        data.send_batch(list(zip(part, repeat(1, len(part)))))
+    del mine
+    data.advance_to(1)
+    if control is not None:
+        control.advance_to(1)
+    worker.step_while(lambda: probe.less_equal(0))
+    preload_s = time.time() - t_load
+    gc_policy = collector.configure(cfg["gc"])  # the pre-loaded state and schedule are never garbage
+    start = start_together(worker)
+
+    E = epoch_ms / 1000
+    completions = Completions(epochs, start)
+    completions.watch(probe)
+    controller = megaphone.Controller(control, probe) if control is not None and index == 0 else None
+    migrate_at = cfg["migrate_at"]
+    pause_epoch = int(math.ceil(migrate_at / E))
+    info: dict = {}
+    cpu = {"start": time.process_time(), "wait_start": runqueue_wait()}
+    profiler = cProfile.Profile() if cfg.get("profile") else None
+    if profiler is not None:
+        profiler.enable()
+    sent = 0
+    closed = started = restarted = False
+    while completions.next < epochs:
+        now = time.time() - start
+        due = min(sched.due(now), epochs)
+        if now >= migrate_at and "migrate" not in cpu:
+            cpu["migrate"], cpu["wait_migrate"] = time.process_time(), runqueue_wait()
+        if mode == "restart" and not restarted and due > pause_epoch:
+            due = pause_epoch  # paused: records keep being scheduled, not sent
+            info.setdefault("pause", pause_epoch * E)  # records scheduled from here on are held
+        while sent < due:
+            lo, hi = sched.records(sent)
+            if hi > lo:
+                data.send_batch(list(zip(keys[lo:hi].tolist(), repeat(1, hi - lo))))
+            completions.sent(sent + 1, logical(sent, epoch_ms))
+            sent += 1
+            data.advance_to(logical(sent, epoch_ms))
+            if control is not None:
+                control.advance_to(logical(sent, epoch_ms))
+        if controller is not None:
+            if not started and now >= migrate_at and mode != "none":
+                controller.start(megaphone.plan(table0, target, mode, peers=peers))
+                started = True
+            controller.tick()
+        if sent == epochs and not closed:
+            data.close()
+            if control is not None:
+                control.close()
+            closed = True
+        gc_policy.tick()
+        completions.step_started()
+        worker.step_or_park(max(0.0, (due + 1) * E - (time.time() - start)) if sent == due else 0)
+        completions.poll()
+        if mode == "restart" and not restarted and "pause" in info and completions.next >= pause_epoch:
+            info["drained"] = time.time() - start
+            completions.unwatch()
+            data.close()
+            worker.step_while(lambda: not probe.done())
+            state, info["transfer"] = transfer_state(worker, state, target, k)
+            data, probe = build_plain(worker, target, k, state)
+            completions.watch(probe)
+            data.advance_to(logical(sent, epoch_ms))
+            restarted = True
+            info["resume"] = time.time() - start
+    end_wall = time.time() - start
+    cpu["end"], cpu["wait_end"] = time.process_time(), runqueue_wait()
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(os.path.join(cfg["profile"], f"migration-{mode}-w{index}.prof"))
+    completions.unwatch()
+    gc_policy.restore()
+    worker.step_while(lambda: not probe.done())
+    samples = rss.stop()
+
+    if mig is not None:
+        state, owned = mig.state(), len(mig.owned_bins())
+    else:
+        owned = None
+    total, distinct = sum(state.values()), len(state)
+    result = {
+        "index": index, "start": start, "preload_s": preload_s, "completion": completions.completion.tolist(),
+        "end": end_wall, "rss": [(t - start, b) for t, b in samples], "max_rss": max_rss_bytes(),
+        "total": total, "distinct": distinct, "cpu": cpu, "owned_bins": owned, "info": info,
+        "events": [dict(e, worker=index) for e in (mig.events if mig is not None else [])],
+    }
+    if controller is not None:
+        result["steps"] = [{"index": e.index, "bins": len(e.moves), "time": e.issue_time,
+                            "issued": None if e.issued_at is None else e.issued_at - start,
+                            "completed": None if e.completed_at is None else e.completed_at - start,
+                            "duration": e.duration} for e in controller.events]
+        result["all_steps_done"] = not controller.busy
+    return result
+
+
+def execute(cfg: dict, workers: int) -> list[dict]:
+    """One run on ``workers`` workers (in the process :func:`nexmark.runner.run_fresh` starts)."""
+    return timely.execute(job, workers=workers, args=[json.dumps(cfg)])
