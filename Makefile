@@ -35,7 +35,7 @@ bench: install
 	$(BIN)/python -m pip install -q -e '.[test,bench]' --config-settings editable_mode=compat
 	$(BIN)/python bench/exchange.py
 	$(BIN)/python bench/migration.py --out bench/plots
-	$(BIN)/python bench/nexmark.py --query q1,q3,q4 --variant both --rate 200000 --duration 6
+	$(BIN)/python bench/nexmark_bench.py --query q1,q3,q4 --variant both --rate 200000 --duration 6
 
 clean:
-	rm -rf build $(VENV) timely/_native/*.so timely/_native/*.c native/*.c *.egg-info
+	rm -rf build $(VENV) timely/_native/*.so nexmark/*.so native/*.c *.egg-info

@@ -1,4 +1,5 @@
-"""Build script: compiles the Cython hot paths in ``native/`` into ``timely._native``.
+"""Build script: compiles the Cython hot paths in ``native/``: the engine's into ``timely._native``,
+the NEXMark generator into ``nexmark.nexmark_gen``.
 
 A C compiler and the Python headers are required; without them the build stops with a
 message that says so instead of a compiler traceback.
@@ -13,10 +14,10 @@ import sysconfig
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-# native/<name>.pyx -> timely._native.<name>, with the native/*.pxi files it includes.
+# module -> (native/<source>.pyx, the native/*.pxi files it includes).
 NATIVE_MODULES = {
-    "hashing": ["batch.pxi", "route_bins.pxi"],
-    "nexmark_gen": [],
+    "timely._native.hashing": ("hashing", ["batch.pxi", "route_bins.pxi"]),
+    "nexmark.nexmark_gen": ("nexmark_gen", []),
 }
 
 
@@ -41,9 +42,9 @@ def extensions():
     from setuptools import Extension
 
     exts = [
-        Extension(f"timely._native.{name}", [f"native/{name}.pyx"], depends=[f"native/{d}" for d in includes],
+        Extension(module, [f"native/{source}.pyx"], depends=[f"native/{d}" for d in includes],
                   extra_compile_args=["-O3"])
-        for name, includes in NATIVE_MODULES.items()
+        for module, (source, includes) in NATIVE_MODULES.items()
     ]
     return cythonize(exts, language_level=3, compiler_directives={"boundscheck": False, "wraparound": False})
 

@@ -11,7 +11,7 @@ Options (after the coordinator endpoint, which every worker must be given):
   every epoch in which the key occurs) and, once the first epoch is complete, migrate half of the
   bins to the other workers while data keeps flowing. Without it: ``count_by_key`` (per-epoch
   counts).
-- ``--bins K`` (2^K Megaphone bins, default 4), ``--strategy`` (``batched``, ``fluid``,
+- ``--k K`` (2^K Megaphone bins, default 4), ``--strategy`` (``batched``, ``fluid``,
   ``all_at_once``).
 - ``--capture DIR``: each worker writes the rows its source emitted, per epoch, to
   ``DIR/worker-<index>.json`` when the job ends (for exactly-once checks).
@@ -36,7 +36,7 @@ def _args(argv):
     p = argparse.ArgumentParser(prog="spark_pipeline.py")
     p.add_argument("coordinator", nargs="?", default=os.environ.get("TIMELY_SPARK_COORDINATOR"))
     p.add_argument("--megaphone", action="store_true")
-    p.add_argument("--bins", type=int, default=4)
+    p.add_argument("--k", type=int, default=4, help="2^k Megaphone bins")
     p.add_argument("--strategy", default="batched")
     p.add_argument("--capture")
     return p.parse_args(argv)
@@ -67,7 +67,7 @@ def main(worker: timely.Worker):
             import megaphone
 
             ev_probe = events.probe()
-            control = megaphone.ControlInput(scope, bins=args.bins)
+            control = megaphone.ControlInput(scope, k=args.k)
             counts = megaphone.unary(events, control, 0, _count_fold, name="KeyedCount")
             out = counts.stream
         else:

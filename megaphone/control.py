@@ -7,20 +7,12 @@ pause, no side channel. The records and their validation are those of :mod:`mega
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import timely
 
-from .table import TableError, apply, balanced, move_updates, validate_k, validate_update
-
-# The names megaphone.operators imports from here, each the table module's function or class of the
-# same behaviour (to go once operators.py imports megaphone.table itself).
-ControlError = TableError
-check_update = validate_update
-apply_updates = apply
-default_table = balanced
+from .table import move_updates, validate_k, validate_update
 
 
 class ControlInput:
@@ -31,11 +23,7 @@ class ControlInput:
     anything enters the dataflow, so a bad request never damages running state.
     """
 
-    def __init__(self, scope: timely.Scope, k: int = 8, name: str = "Control", *, bins: int | None = None) -> None:
-        if bins is not None:  # the old spelling of k, until its callers (nexmark, bench) move to k
-            warnings.warn("ControlInput(bins=...) is deprecated: the exponent is spelled k", DeprecationWarning,
-                          stacklevel=2)
-            k = bins
+    def __init__(self, scope: timely.Scope, k: int = 8, name: str = "Control") -> None:
         self.k = validate_k(k)
         self.nbins = 1 << k
         self.peers = scope.peers

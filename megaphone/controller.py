@@ -33,7 +33,6 @@ poller (:meth:`Controller.add_poller`) to answer outside requests from :meth:`Co
 from __future__ import annotations
 
 import time as _time
-import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -131,13 +130,6 @@ class Controller:
         self._in_flight: StepEvent | None = None
         self._migrations = 0
         self._pollers: list[Callable[[], object]] = []
-
-    @property
-    def bins(self) -> int:
-        """Deprecated spelling of :attr:`nbins` (until nexmark/driver.py moves to ``nbins``)."""
-        warnings.warn("Controller.bins is deprecated: the number of bins is Controller.nbins", DeprecationWarning,
-                      stacklevel=2)
-        return self.nbins
 
     # -- queuing ------------------------------------------------------------------------------
     def start(self, steps: Sequence[Mapping[int, int]]) -> int:

@@ -37,10 +37,9 @@ from collections.abc import Sequence
 import networkx as nx
 from networkx.algorithms.bipartite import hopcroft_karp_matching
 
-from .table import balanced, moved_bins, skewed, validate_table
+from .table import moved_bins, validate_table
 
-# balanced and skewed are re-exported for nexmark/driver.py until it imports them from megaphone.table.
-__all__ = ["STRATEGIES", "Step", "balanced", "plan", "skewed"]
+__all__ = ["STRATEGIES", "Step", "plan"]
 
 STRATEGIES = ("all_at_once", "fluid", "batched")
 

@@ -32,7 +32,7 @@ import numpy as np
 from .model import FIRST_NAMES, LAST_NAMES, US_CITIES, US_STATES, Config
 
 try:
-    from timely._native import nexmark_gen as _native
+    import nexmark.nexmark_gen as _native
 except ImportError:  # not built: the numpy backend does the same
     _native = None
 
@@ -132,7 +132,7 @@ class Generator:
         if backend not in ("auto", "native", "numpy"):
             raise ValueError(f"backend must be 'auto', 'native' or 'numpy', not {backend!r}")
         if backend == "native" and _native is None:
-            raise ImportError("the native generator (timely._native.nexmark_gen) is not built: run `make build`")
+            raise ImportError("the native generator (nexmark.nexmark_gen) is not built: run `make build`")
         self.config = config
         self.index = index
         self.peers = peers

@@ -10,9 +10,9 @@ from conftest import WORKER_COUNTS, WORKER_IDS, examples, norm, run
 from hypothesis import given
 from hypothesis import strategies as st
 
-from timely.routing import hash64
 from timely.dataflow import Exchange
 from timely.progress import less_equal, less_than
+from timely.routing import hash64
 
 STEP_TIMEOUT = 20
 workers_param = pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)

@@ -151,14 +151,6 @@ def test_no_step_is_issued_on_a_closed_control_input():
     assert not ctl.tick() and control.sent == [] and ctl.busy
 
 
-@pytest.mark.timeout(30)
-def test_controller_bins_is_a_deprecated_spelling_of_nbins():
-    ctl = Controller(FakeControl(k=3, peers=3), FakeProbe())
-    assert ctl.nbins == 8
-    with pytest.warns(DeprecationWarning, match="Controller.nbins"):
-        assert ctl.bins == 8
-
-
 # -- the control input ---------------------------------------------------------------------------
 
 def control_input_job(worker):
@@ -173,8 +165,7 @@ def control_input_job(worker):
                 ControlInput(scope, **kwargs)
             except TableError as e:
                 errors.append(str(e))
-        with pytest.warns(DeprecationWarning, match="spelled k"):
-            old = ControlInput(scope, bins=3)
+        old = ControlInput(scope, k=3)
     for bad in (lambda: control.move(4, 0), lambda: control.move(0, 1), lambda: control.moves({0: 0, 1: 5}),
                 lambda: control.install([0, 0, 0]), lambda: control.install([0, 0, 0, "0"])):
         try:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import errors, routing
+from .collector import batch_gc
 from .comm.allocator import ThreadAllocator
 from .dataflow import (
     Activator,
@@ -41,7 +42,7 @@ from .errors import (
     TimelyError,
 )
 from .progress import Summary
-from .worker import Worker, batch_gc
+from .worker import Worker
 
 
 def __getattr__(name: str) -> Any:

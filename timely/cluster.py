@@ -346,8 +346,9 @@ def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: li
 
     On failure the allocator is closed with ``abort`` so the peers learn at once which worker failed.
     """
+    from .collector import batch_gc
     from .comm.zmq_allocator import ZmqAllocator
-    from .worker import Worker, batch_gc
+    from .worker import Worker
 
     alloc = ZmqAllocator(index, peers, endpoints, token, **options)
     # Everything alive now (modules, the job's globals) lives for the whole run: keep the garbage

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import time as _time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -11,28 +10,6 @@ from .dataflow.dataflow import Dataflow
 from .dataflow.input import InputHandle
 from .dataflow.scope import Scope
 from .errors import BuildError
-
-#: CPython's young-generation threshold while a worker runs (its default is 700). A collection
-#: starts when container allocations minus deallocations pass it, and costs time per young object
-#: still alive. Records are containers (tuples) made by the thousand per batch and freed by
-#: reference counting once their batch has passed through the dataflow: at 700 every batch in
-#: flight sets off collections that scan its records; with room for a few batches, a dataflow that
-#: keeps up sets off almost none. Much larger is slower again when batches queue up (a collection
-#: then scans objects that have left the CPU cache) and lets cyclic garbage wait longer.
-GC_YOUNG_THRESHOLD = 10_000
-
-
-@contextlib.contextmanager
-def batch_gc() -> Iterator[None]:
-    """Run the block with the young-generation threshold at least :data:`GC_YOUNG_THRESHOLD`;
-    restore the previous thresholds afterwards."""
-    previous = gc.get_threshold()
-    young = previous[0] and max(previous[0], GC_YOUNG_THRESHOLD)  # 0: automatic collection is off
-    gc.set_threshold(young, *previous[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*previous)
 
 
 class Worker:
