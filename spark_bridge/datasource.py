@@ -52,20 +52,21 @@ def _opt(options: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
+def _required(options: Any, names: tuple[str, ...], missing: str) -> str:
+    value = _opt(options, *names)
+    if not value:
+        raise BridgeError(f"format('timely') needs the option '{names[0]}': {missing}")
+    return value
+
+
 def _endpoint(options: Any) -> str:
-    ep = _opt(options, "endpoint", "timely.coordinator", "coordinator")
-    if not ep:
-        raise BridgeError("format('timely') needs the option 'endpoint': the coordinator of the timely job, "
-                          "e.g. .option('endpoint', 'tcp://127.0.0.1:7447')")
-    return ep
+    return _required(options, ("endpoint", "timely.coordinator", "coordinator"),
+                     "the coordinator of the timely job, e.g. .option('endpoint', 'tcp://127.0.0.1:7447')")
 
 
 def _stream(options: Any) -> str:
-    name = _opt(options, "stream", "timely.stream", "path")
-    if not name:
-        raise BridgeError("format('timely') needs the option 'stream': the name given to spark_bridge.source "
-                          "(writes) or spark_bridge.sink (reads)")
-    return name
+    return _required(options, ("stream", "timely.stream", "path"),
+                     "the name given to spark_bridge.source (writes) or spark_bridge.sink (reads)")
 
 
 def _timeout(options: Any) -> float:
