@@ -88,6 +88,23 @@ class Capability:
         return f"Capability(time={self.time!r}, output={self.port}{state})"
 
 
+class InputInfo:
+    """What the capabilities of one operator input share: the operator (its ``node`` index, its
+    ``name``, its dataflow's ``progress`` batch), the ``input`` number, and per output the
+    ``summaries`` from this input to it; ``identity`` holds the outputs reached by the identity."""
+
+    __slots__ = ("progress", "node", "name", "input", "summaries", "identity")
+
+    def __init__(self, progress: ChangeBatch, node: int, name: str, input_port: int,
+                 summaries: Sequence[Sequence[Summary]], levels: int) -> None:
+        self.progress = progress
+        self.node = node
+        self.name = name
+        self.input = input_port
+        self.summaries = summaries
+        self.identity = frozenset(o for o, row in enumerate(summaries) if Summary.identity(levels) in row)
+
+
 class InputCapability:
     """The capability that comes with a received batch: valid only while the batch is handled.
 
@@ -95,36 +112,38 @@ class InputCapability:
     operator's declared input->output summary.
     """
 
-    __slots__ = ("time", "input", "node", "_name", "_progress", "_summaries")
+    __slots__ = ("time", "info")
 
-    def __init__(self, progress: ChangeBatch, node: int, name: str, input_port: int,
-                 summaries: Sequence[Sequence[Summary]], time: Any) -> None:
+    def __init__(self, info: InputInfo, time: Any) -> None:
         self.time = time
-        self.input = input_port
-        self.node = node
-        self._name = name
-        self._progress = progress
-        self._summaries = summaries  # per output: the summaries from this input to it
+        self.info = info  # shared by every batch of the input: one allocation per batch
+
+    @property
+    def input(self) -> int:
+        """The number of the input the batch arrived at."""
+        return self.info.input
 
     def summaries(self, output: int) -> Sequence[Summary]:
         """The summaries from this capability's input to ``output`` (empty: not connected)."""
-        return self._summaries[output] if 0 <= output < len(self._summaries) else ()
+        rows = self.info.summaries
+        return rows[output] if 0 <= output < len(rows) else ()
 
     def delayed(self, time: Any, output: int = 0) -> Capability:
         """A capability at ``time`` on ``output``; ``time`` must be reachable through the summary."""
+        info = self.info
         summaries = self.summaries(output)
         if not summaries:
-            raise CapabilityError(f"operator '{self._name}': input {self.input} is not connected to output {output}")
+            raise CapabilityError(f"operator '{info.name}': input {info.input} is not connected to output {output}")
         if not any(less_equal(s.results_in(self.time), time) for s in summaries):
             raise CapabilityError(
-                f"operator '{self._name}': cannot create a capability at {time!r} from an input "
+                f"operator '{info.name}': cannot create a capability at {time!r} from an input "
                 f"message at {self.time!r} (summaries {list(summaries)})"
             )
-        return Capability(self._progress, self.node, self._name, output, time)
+        return Capability(info.progress, info.node, info.name, output, time)
 
     def retain(self, output: int = 0) -> Capability:
         """A capability at this message's time on ``output``."""
         return self.delayed(self.time, output)
 
     def __repr__(self) -> str:
-        return f"InputCapability(time={self.time!r}, input={self.input})"
+        return f"InputCapability(time={self.time!r}, input={self.info.input})"

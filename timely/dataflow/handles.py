@@ -12,8 +12,9 @@ from typing import Any
 
 from ..errors import CapabilityError
 from ..progress.frontier import Frontier
+from ..progress.reachability import Target
 from ..progress.timestamp import Summary
-from .capability import Capability, InputCapability
+from .capability import Capability, InputCapability, InputInfo
 from .operator import InputPort, OutputPort
 
 
@@ -21,10 +22,11 @@ class OperatorInput:
     """One input of an operator: iterate it for ``(capability, batch)`` pairs; ``frontier`` tells
     which times may still arrive."""
 
-    __slots__ = ("_port",)
+    __slots__ = ("_port", "_info")
 
     def __init__(self, port: InputPort) -> None:
         self._port = port
+        self._info: InputInfo | None = None  # made at the first batch: the summaries are set at build
 
     @property
     def port(self) -> int:
@@ -34,13 +36,18 @@ class OperatorInput:
     def __iter__(self) -> Iterator[tuple[InputCapability, Sequence]]:
         port = self._port
         op = port.op
-        progress = op.ctx.progress
+        info = self._info
+        if info is None:
+            info = self._info = InputInfo(op.ctx.progress, op.index, op.name, port.port, op.summary[port.port],
+                                          port.levels)
+        update = op.ctx.progress.update
+        target = Target(op.index, port.port)
         queue = port.queue
-        summaries = op.summary[port.port]
         while queue:
             time, batch = queue.popleft()
-            op.consumed(port.port, time, len(batch))
-            yield InputCapability(progress, op.index, op.name, port.port, summaries, time), batch
+            if batch:
+                update((target, time), -len(batch))  # consumed: in this step's progress batch
+            yield InputCapability(info, time), batch
 
     @property
     def frontier(self) -> Frontier:
@@ -92,6 +99,20 @@ class OperatorOutput:
     def _time_of(self, cap: Capability | InputCapability) -> Any:
         port = self._port
         op = port.op
+        # The common cases first, checked inline: this costs per batch, not per record.
+        if type(cap) is InputCapability:
+            info = cap.info
+            if port.port in info.identity and info.node == op.index and info.progress is op.ctx.progress:
+                return cap.time
+        elif type(cap) is Capability:
+            if cap.live and cap.port == port.port and cap.owned_by(op.ctx.progress, op.index):
+                return cap.time
+        return self._refuse(cap)
+
+    def _refuse(self, cap: Any) -> Any:
+        """Raise the :class:`CapabilityError` that says why ``cap`` cannot send on this output."""
+        port = self._port
+        op = port.op
         if isinstance(cap, Capability):
             if not cap.live:
                 raise CapabilityError(f"operator '{op.name}': sending with a dropped capability at {cap.time!r}")
@@ -103,6 +124,9 @@ class OperatorOutput:
                 )
             return cap.time
         if isinstance(cap, InputCapability):
+            if cap.info.node != op.index or cap.info.progress is not op.ctx.progress:
+                raise CapabilityError(f"operator '{op.name}': the input capability belongs to operator "
+                                      f"'{cap.info.name}'")
             if Summary.identity(port.levels) not in cap.summaries(port.port):
                 raise CapabilityError(
                     f"operator '{op.name}': an input capability can send only through an identity summary; "
