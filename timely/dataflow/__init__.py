@@ -7,8 +7,7 @@ from .capability import Capability, InputCapability
 from .channels import Broadcast, Distribute, Exchange, Pact, Pipeline
 from .context import Activator
 from .handles import Notificator, OperatorInput, OperatorOutput, Session
-from .input import InputHandle, LoopHandle, ProbeHandle
-from .keyed import Captured
+from .input import Captured, InputHandle, LoopHandle, ProbeHandle
 from .scope import Scope, Stream
 
 __all__ = [

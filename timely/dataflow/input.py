@@ -1,6 +1,7 @@
-"""Inputs, probes and loop handles: how a worker's driver code talks to a running dataflow."""
+"""Inputs, probes, captures and loop handles: how a worker's driver code talks to a running dataflow."""
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +12,7 @@ from ..progress.timestamp import Summary, less_equal
 if TYPE_CHECKING:  # pragma: no cover
     from .builder import OperatorBuilder
     from .capability import Capability
-    from .handles import OperatorOutput
+    from .handles import OperatorInput, OperatorOutput
     from .scope import Scope, Stream
 
 
@@ -146,3 +147,34 @@ class LoopHandle:
         self.summary = summary
         self.name = name
         self.connected = False
+
+
+class Captured:
+    """The ``(time, records)`` a worker saw on a captured stream."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[Any, list]] = []
+
+    def take(self, inp: OperatorInput) -> None:
+        """Sink logic: keep every batch of ``inp``."""
+        for cap, batch in inp:
+            self.batches.append((cap.time, list(batch)))
+
+    def extract(self) -> list[tuple[Any, list]]:
+        """Records grouped by time, times ascending, records sorted within a time when possible."""
+        by_time: dict[Any, list] = defaultdict(list)
+        for t, batch in self.batches:
+            by_time[t].extend(batch)
+        out = []
+        for t in sorted(by_time):
+            recs = by_time[t]
+            try:
+                recs = sorted(recs)
+            except TypeError:
+                pass
+            out.append((t, recs))
+        return out
+
+    def records(self) -> list:
+        """Every record, regardless of time."""
+        return [r for _, b in self.batches for r in b]

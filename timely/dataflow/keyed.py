@@ -1,4 +1,4 @@
-"""Keyed aggregations per time (``count_by_key``, ``reduce_by_key``) and captured output."""
+"""Keyed aggregations per time: the logic of ``count_by_key`` and ``reduce_by_key``."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -53,34 +53,3 @@ def reduce_logic(reduce: Callable[[Any, Any], Any]) -> NotifyLogic:
             out.give_batch(done, list(state.pop(done.time).items()))
 
     return logic
-
-
-class Captured:
-    """The ``(time, records)`` a worker saw on a captured stream."""
-
-    def __init__(self) -> None:
-        self.batches: list[tuple[Any, list]] = []
-
-    def take(self, inp: OperatorInput) -> None:
-        """Sink logic: keep every batch of ``inp``."""
-        for cap, batch in inp:
-            self.batches.append((cap.time, list(batch)))
-
-    def extract(self) -> list[tuple[Any, list]]:
-        """Records grouped by time, times ascending, records sorted within a time when possible."""
-        by_time: dict[Any, list] = defaultdict(list)
-        for t, batch in self.batches:
-            by_time[t].extend(batch)
-        out = []
-        for t in sorted(by_time):
-            recs = by_time[t]
-            try:
-                recs = sorted(recs)
-            except TypeError:
-                pass
-            out.append((t, recs))
-        return out
-
-    def records(self) -> list:
-        """Every record, regardless of time."""
-        return [r for _, b in self.batches for r in b]

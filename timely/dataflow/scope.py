@@ -18,7 +18,7 @@ from .builder import OperatorBuilder
 from .capability import Capability
 from .channels import Broadcast, Exchange, Key, Pact, pact_of
 from .handles import Notificator, OperatorOutput
-from .input import InputHandle, LoopHandle, ProbeHandle
+from .input import Captured, InputHandle, LoopHandle, ProbeHandle
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..worker import Worker
@@ -332,9 +332,9 @@ class Stream:
         b.build(build)
         return stream
 
-    def capture(self) -> keyed.Captured:
+    def capture(self) -> Captured:
         """Record every ``(time, batch)`` this worker sees, for tests and small outputs."""
-        captured = keyed.Captured()
+        captured = Captured()
         self.sink(captured.take, name=self.scope.default_name("Capture"))
         return captured
 
