@@ -11,8 +11,8 @@ The paper's migration microbenchmark (Megaphone, section 5.3; DESIGN.md section 
 * latency of a record = wall time at which the output probe passes its epoch minus its scheduled
   time (queueing included: no coordinated omission), computed with numpy from per-epoch
   completion times;
-* each run in a fresh process (``nexmark.runner.run_fresh``), the collector under ``--gc`` after
-  the pre-load (``timely.collector``);
+* every worker of a run a fresh interpreter (``timely.execute(..., start="spawn")``), the
+  collector under ``--gc`` after the pre-load (``timely.collector``);
 * at ``--migrate-at`` seconds, half of the bins move (each worker gives the first half of its bins to
   the next worker), once per strategy (``all_at_once``, ``fluid``, ``batched``), issued step by step
   by a ``megaphone.Controller`` on worker 0 (a step goes out once the probe shows the previous one
@@ -60,7 +60,6 @@ from nexmark.keyed import DEFAULT_MODES, MODES, execute
 from nexmark.metrics import Timeline, peak_between, percentiles
 from nexmark.openloop import Schedule, latencies
 from nexmark.report import align, median, plot_timelines
-from nexmark.runner import run_fresh
 from timely import collector
 
 # -- analysis --------------------------------------------------------------------------------------
@@ -80,7 +79,7 @@ def analyse(cfg: dict, results: list[dict]) -> dict:
     if cfg["mode"] == "restart":
         issue, done = min(r["info"]["pause"] for r in results), max(r["info"]["resume"] for r in results)
         first = int(round(issue / E))  # the first epoch held back
-        out["steps"], out["bins_moved"] = 1, (1 << cfg["bins"]) // 2
+        out["steps"], out["bins_moved"] = 1, (1 << cfg["k"]) // 2
         out["bytes"] = sum(r["info"]["transfer"]["bytes"] for r in results)
         out["transfer"] = [r["info"]["transfer"] for r in results]
         out["drain_s"] = max(r["info"]["drained"] for r in results) - issue
@@ -246,6 +245,8 @@ def parser() -> argparse.ArgumentParser:
                     help="output directory for migration.png/.json (default bench/out, git-ignored)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--profile", metavar="DIR", help="cProfile each worker's measured phase into DIR/*.prof")
+    ap.add_argument("--timeout", type=float, default=3600.0,
+                    help="seconds a run may take before its workers are stopped (default 3600)")
     return ap
 
 
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                    "gc": args.gc, "seed": args.seed + run,
                    "profile": os.path.abspath(args.profile) if args.profile else None}
             t0 = time.time()
-            m = analyse(cfg, run_fresh(execute, cfg, args.workers, name=f"migration-{mode}"))
+            m = analyse(cfg, execute(cfg, args.workers, start="spawn", timeout=args.timeout))
             m["run"], m["wall_s"], m["load"] = run, time.time() - t0, os.getloadavg()[0]
             runs[mode].append(m)
             print(run_line(run, mode, m), flush=True)

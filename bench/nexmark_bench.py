@@ -6,7 +6,9 @@ the output probe passes a record's epoch minus the record's scheduled time), a p
 (CSV + PNG), migration maximum latency and duration, and peak memory; a summary table at the end.
 A run "sustains" its rate when the output is complete within 1 s of the end of the schedule and
 p99 latency stays under 1 s. "per CPU-s" is events per CPU-second used by all workers (a capacity
-estimate that contention from other processes distorts less than wall-clock throughput).
+estimate that contention from other processes distorts less than wall-clock throughput). Every
+worker of a run is a fresh interpreter (``timely.execute(..., start="spawn")``), so that its peak
+memory and collector state are that run's alone.
 
     .venv/bin/python bench/nexmark_bench.py --query q1,q3 --variant both --rate 100000 --duration 20
     .venv/bin/python bench/nexmark_bench.py --query q3 --variant megaphone --workers 2 --rate 50000 \\
@@ -31,7 +33,6 @@ from nexmark.harness import Run, diff, execute, expected, random_moves
 from nexmark.model import Config, Params
 from nexmark.queries import QUERIES
 from nexmark.report import Summary, fmt_s, median_table, plot, summarise, table, timeline_text, write_csv
-from nexmark.runner import run_fresh
 from timely import collector
 
 
@@ -81,7 +82,7 @@ def bench_one(args: argparse.Namespace, q: str, flex: bool, rate: int, params: d
     runs = f" (run {run_no + 1} of {args.runs})" if args.runs > 1 else ""
     print(f"\n== {label}{runs}: {rate:,} events/s for {args.duration:g} s on {args.workers} worker(s)"
           + (f" after {args.history:g} s of history" if args.history else ""), flush=True)
-    s = summarise(label, spec, run_fresh(run, spec, name=f"nexmark-{label}") if args.isolate else run(spec))
+    s = summarise(label, spec, run(spec, start="spawn" if args.isolate else "fork", timeout=args.timeout))
     o = s.overall
     print(f"sent {s.sent:,} events, {s.produced:,} output records; throughput {s.throughput:,.0f} events/s "
           f"({s.throughput / s.workers:,.0f} per worker); {s.per_cpu_second:,.0f} events per CPU-second; "
@@ -148,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="worker garbage collector in the measured phase (timely.collector; default tuned: freeze + "
                          "rare collections; paced: freeze + a young collection every 50 ms, survivors frozen)")
     ap.add_argument("--no-isolate", dest="isolate", action="store_false",
-                    help="run in this process instead of a fresh one per run (peak RSS then accumulates)")
+                    help="fork the workers from this process instead of starting each as a fresh interpreter "
+                         "(their peak RSS then includes what they inherit from this process)")
+    ap.add_argument("--timeout", type=float, default=3600.0,
+                    help="seconds a run may take before its workers are stopped (default 3600)")
     ap.add_argument("--check", action="store_true", help="verify the queries against the reference and exit")
     ap.add_argument("--check-events", type=int, default=6000)
     ap.add_argument("--check-workers", default="1", help="comma-separated worker counts for --check (default 1)")

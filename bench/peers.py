@@ -1,8 +1,8 @@
 """Peers in the same run: our engine against bytewax on the keyed count and NEXMark Q1, Q2, Q3.
 
 Both engines run on the same machine in the same invocation, each run in fresh processes: ours
-with the interpreter running this script (``timely.execute`` in a process started by
-``nexmark.runner.run_fresh``), bytewax with ``.venv-bench/bin/python`` (bytewax
+with the interpreter running this script (``timely.execute(..., start="spawn")``: every worker a
+fresh interpreter), bytewax with ``.venv-bench/bin/python`` (bytewax
 from PyPI, not a project dependency; ``run_main`` for 1 worker, ``cluster_main`` in one process
 per worker, 1 worker each, for more). Every process pre-generates its input outside the timed
 section, then the input is pushed through as fast as possible (closed loop). Both engines handle
@@ -151,14 +151,6 @@ def _ours_nexmark(worker):
     worker.step_while(lambda: not probe.done())
     return {"start": start, "end": time.time(), "inputs": sum(r.total for r in rounds), "outputs": counted[0],
             "checksum": 0, "native_gen": native}
-
-
-def _ours_run(workload: str, workers: int, params: list[str]) -> list[dict]:
-    """One run of ours (in the fresh process :func:`run_ours` starts): each worker's figures."""
-    import timely
-
-    job = _ours_count if workload == "count" else _ours_nexmark
-    return timely.execute(job, workers=workers, args=[workload, *params])
 
 
 # -- bytewax (runs under .venv-bench/bin/python) ------------------------------------------------
@@ -322,11 +314,11 @@ def _summarise(results: list[dict]) -> dict:
 
 
 def run_ours(workload: str, workers: int, params: list[str], timeout: float) -> dict:
-    """One run of ours in a fresh process; its summary."""
-    from nexmark.runner import run_fresh
+    """One run of ours, every worker a fresh interpreter; its summary."""
+    import timely
 
-    return _summarise(run_fresh(_ours_run, workload, workers, params, timeout=timeout,
-                                name=f"ours {workload} x{workers}"))
+    job = _ours_count if workload == "count" else _ours_nexmark
+    return _summarise(timely.execute(job, workers, args=[workload, *params], start="spawn", timeout=timeout))
 
 
 def run_bytewax(workload: str, workers: int, params: list[str], timeout: float) -> dict:

@@ -7,7 +7,7 @@ the layouts and the time base (event time in ms, epochs of one wall-clock ms, ti
 The benchmarks' measurement stack lives here too, shared by every script under ``bench/``:
 :mod:`nexmark.openloop` (open-loop schedules, per-epoch completions, latencies, a common start),
 :mod:`nexmark.metrics` (latency histograms, timelines, quantiles, process readings),
-:mod:`nexmark.report` (tables and plots), :mod:`nexmark.runner` (one run in a fresh process),
+:mod:`nexmark.report` (tables and plots),
 :mod:`nexmark.driver` (a NEXMark run) and :mod:`nexmark.keyed` (the keyed-count migration run).
 """
 from .generator import EventBatch, Generator, generate

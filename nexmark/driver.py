@@ -25,6 +25,7 @@ continues the same event stream and epochs where the history ends; its times (la
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -271,15 +272,14 @@ class WorkerRun:
                 "gc": gc_pauses.as_dict()}
 
 
-def job(spec: Spec) -> Any:
-    """The per-worker ``main`` for ``timely.execute``."""
-
-    def main(worker: timely.Worker) -> dict:
-        return WorkerRun(spec, worker).drive()
-
-    return main
+def worker_main(spec: Spec, worker: timely.Worker) -> dict:
+    """One worker's run of ``spec``: its figures (:func:`run` hands ``functools.partial(worker_main,
+    spec)`` to ``timely.execute``, picklable for ``start="spawn"``)."""
+    return WorkerRun(spec, worker).drive()
 
 
-def run(spec: Spec) -> list[dict]:
-    """Run ``spec`` on ``spec.workers`` workers; one result dict per worker."""
-    return timely.execute(job(spec), workers=spec.workers)
+def run(spec: Spec, *, start: str = "fork", timeout: float | None = None) -> list[dict]:
+    """Run ``spec`` on ``spec.workers`` workers; one result dict per worker. ``start`` and
+    ``timeout`` are ``timely.execute``'s: ``start="spawn"`` makes every worker a fresh interpreter,
+    so that its memory readings are its own run's."""
+    return timely.execute(functools.partial(worker_main, spec), workers=spec.workers, start=start, timeout=timeout)

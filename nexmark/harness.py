@@ -7,6 +7,7 @@ moves at random epochs; the output must not change.
 """
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -74,37 +75,35 @@ def stamped_events(run: Run) -> Stamped:
     return out
 
 
-def _job(run: Run) -> Any:
-    def main(worker: timely.Worker) -> list:
-        gen = Generator(run.config, worker.index, worker.peers)
-        with worker.dataflow() as scope:
-            inputs = [scope.new_input(name) for name in ("Persons", "Auctions", "Bids")]
-            streams = Streams(*(i.stream for i in inputs))
-            control = megaphone.ControlInput(scope, k=run.k) if run.flex else None
-            out = QUERIES[run.query].build(streams, run.params, control)
-            captured = out.capture()
-            probe = out.probe()
-        for stamp, end in run.rounds():
-            moves = {b: w for e in range(stamp, end) for b, w in run.moves.get(e, {}).items()}
-            if control is not None and worker.index == 0 and moves:
-                control.moves(moves)
-            batch = gen.until(min(run.config.first_event(end), run.events))
-            for inp, recs in zip(inputs, batch):
-                if recs:
-                    inp.send_batch(recs)
-            for inp in inputs:
-                inp.advance_to(end)
-            if control is not None:
-                control.advance_to(end)
-            worker.step_while(lambda: probe.less_than(end - run.lag), timeout=120)
+def _main(run: Run, worker: timely.Worker) -> list:
+    """One worker's part of :func:`execute`: its captured output batches."""
+    gen = Generator(run.config, worker.index, worker.peers)
+    with worker.dataflow() as scope:
+        inputs = [scope.new_input(name) for name in ("Persons", "Auctions", "Bids")]
+        streams = Streams(*(i.stream for i in inputs))
+        control = megaphone.ControlInput(scope, k=run.k) if run.flex else None
+        out = QUERIES[run.query].build(streams, run.params, control)
+        captured = out.capture()
+        probe = out.probe()
+    for stamp, end in run.rounds():
+        moves = {b: w for e in range(stamp, end) for b, w in run.moves.get(e, {}).items()}
+        if control is not None and worker.index == 0 and moves:
+            control.moves(moves)
+        batch = gen.until(min(run.config.first_event(end), run.events))
+        for inp, recs in zip(inputs, batch):
+            if recs:
+                inp.send_batch(recs)
         for inp in inputs:
-            inp.close()
+            inp.advance_to(end)
         if control is not None:
-            control.close()
-        worker.finish()
-        return [(t, list(recs)) for t, recs in captured.batches]
-
-    return main
+            control.advance_to(end)
+        worker.step_while(lambda: probe.less_than(end - run.lag), timeout=120)
+    for inp in inputs:
+        inp.close()
+    if control is not None:
+        control.close()
+    worker.finish()
+    return [(t, list(recs)) for t, recs in captured.batches]
 
 
 def _norm(x: Any) -> Any:
@@ -115,7 +114,7 @@ def _norm(x: Any) -> Any:
 
 def execute(run: Run) -> Counter:
     """The query's output over all workers, as a multiset of ``(epoch, record)``."""
-    results = timely.execute(_job(run), workers=run.workers)
+    results = timely.execute(functools.partial(_main, run), workers=run.workers)
     return Counter((t, _norm(r)) for per_worker in results for t, recs in per_worker for r in recs)
 
 

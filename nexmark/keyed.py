@@ -154,7 +154,7 @@ def transfer_state(worker: timely.Worker, state: dict, table: tuple[int, ...], k
 def job(worker: timely.Worker) -> dict:
     """One worker's run of the configuration in ``worker.args[0]`` (JSON); its measurements."""
     cfg = json.loads(worker.args[0])
-    mode, k, epoch_ms = cfg["mode"], cfg["bins"], cfg["epoch_ms"]
+    mode, k, epoch_ms = cfg["mode"], cfg["k"], cfg["epoch_ms"]
     index, peers = worker.index, worker.peers
     rss = RssSampler(0.05, start=0.0)  # absolute time.time() stamps
     table0 = megaphone.balanced(1 << k, peers)
@@ -274,6 +274,7 @@ def job(worker: timely.Worker) -> dict:
     return result
 
 
-def execute(cfg: dict, workers: int) -> list[dict]:
-    """One run on ``workers`` workers (in the process :func:`nexmark.runner.run_fresh` starts)."""
-    return timely.execute(job, workers=workers, args=[json.dumps(cfg)])
+def execute(cfg: dict, workers: int, *, start: str = "fork", timeout: float | None = None) -> list[dict]:
+    """One run on ``workers`` workers; each worker's measurements. ``start`` and ``timeout`` are
+    ``timely.execute``'s (``bench/migration.py`` starts every worker as a fresh interpreter)."""
+    return timely.execute(job, workers=workers, args=[json.dumps(cfg)], start=start, timeout=timeout)

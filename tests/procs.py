@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -30,6 +31,11 @@ def children(pid: int) -> list[tuple[int, str]]:
         if int(fields[1]) == pid:
             out.append((int(entry), fields[0]))
     return out
+
+
+def new_children(before: set[int]) -> list[tuple[int, str]]:
+    """(pid, state) of this process's children whose pids are not in ``before`` (zombies included)."""
+    return [c for c in children(os.getpid()) if c[0] not in before]
 
 
 def reap_zombies(exclude: set[int]) -> None:
@@ -69,7 +75,9 @@ def no_leftover_children() -> Iterator[None]:
     """Make this process the reaper of orphans; on exit kill and reap every child started inside
     the block (orphaned grandchildren included) and fail if any was still running."""
     become_subreaper()
-    before = {pid for pid, _ in children(os.getpid())}  # not ours: e.g. other fixtures' servers
+    # multiprocessing's resource tracker: spawn starts it once and keeps it for this process's life.
+    resource_tracker.ensure_running()
+    before = {pid for pid, _ in children(os.getpid())}  # not ours: e.g. other fixtures' servers, the tracker
     yield
     left = kill_leftovers(before)
     assert not left, f"processes left behind: {left}"

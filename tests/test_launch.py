@@ -178,6 +178,13 @@ def test_job_without_main(tmp_path, no_leftovers):
     assert missing.returncode == 2 and "absent.py" in missing.stderr
 
 
+@pytest.mark.timeout(30)
+def test_a_timeout_that_is_not_positive_is_a_usage_error(tmp_path, no_leftovers):
+    job = _job(tmp_path, "job.py", EXCHANGE_JOB)
+    run = _launch(no_leftovers, "-w", "2", "--timeout", "0", job, "10")
+    assert run.returncode == 2 and "--timeout must be a positive number of seconds, not 0" in run.stderr
+
+
 @pytest.mark.timeout(60)
 def test_two_jobs_at_once_on_one_host(tmp_path, no_leftovers):
     job = _job(tmp_path, "job.py", EXCHANGE_JOB)

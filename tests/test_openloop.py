@@ -1,8 +1,7 @@
-"""The open-loop measurement harness (nexmark.openloop, nexmark.metrics) and the process runner
-(nexmark.runner) shared by bench/nexmark_bench.py and bench/migration.py."""
+"""The open-loop measurement harness (nexmark.openloop, nexmark.metrics) shared by
+bench/nexmark_bench.py and bench/migration.py, and the keyed-count run (nexmark.keyed)."""
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -12,7 +11,6 @@ import timely
 from nexmark.metrics import INTERVAL, Timeline, percentiles, quantiles
 from nexmark.model import Config
 from nexmark.openloop import Completions, Schedule, acknowledged, latencies, start_together
-from nexmark.runner import run_fresh
 
 
 @pytest.mark.parametrize("rate", [1, 999, 1000, 123_457, 1_000_000])
@@ -139,47 +137,17 @@ def test_start_together_agrees_on_one_start_after_everyone_is_ready(workers):
     assert time.time() >= starts[0]
 
 
-def _double(x: int) -> tuple[int, int]:
-    return 2 * x, os.getpid()
-
-
-def _fail() -> None:
-    raise ValueError("boom")
-
-
-@pytest.mark.timeout(60)
-def test_run_fresh_returns_the_result_from_another_process():
-    value, pid = run_fresh(_double, 21)
-    assert value == 42 and pid != os.getpid()
-
-
-@pytest.mark.timeout(60)
-def test_run_fresh_reports_the_childs_error():
-    with pytest.raises(RuntimeError, match="ValueError: boom"):
-        run_fresh(_fail, name="failing")
-
-
-@pytest.mark.timeout(60)
-def test_run_fresh_stops_and_reaps_a_run_past_its_timeout():
-    import multiprocessing
-
-    started = time.monotonic()
-    with pytest.raises(TimeoutError):
-        run_fresh(time.sleep, 30, timeout=2)
-    assert time.monotonic() - started < 15
-    assert not multiprocessing.active_children()
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["batched", "restart"])
 def test_keyed_count_run_counts_every_record_and_completes_every_epoch(mode):
-    """``bench/migration.py``'s run (nexmark.keyed) on 2 workers: every scheduled record is counted
-    once, across the migration or the restart, and every epoch's completion is recorded."""
+    """``bench/migration.py``'s run (nexmark.keyed) on 2 workers, each a fresh interpreter as there:
+    every scheduled record is counted once, across the migration or the restart, and every epoch's
+    completion is recorded."""
     from nexmark.keyed import execute
 
-    cfg = {"mode": mode, "rate": 4000, "duration": 1.0, "migrate_at": 0.5, "warmup": 0.1, "keys": 1000, "bins": 4,
+    cfg = {"mode": mode, "rate": 4000, "duration": 1.0, "migrate_at": 0.5, "warmup": 0.1, "keys": 1000, "k": 4,
            "epoch_ms": 5, "gc": "freeze", "seed": 1, "profile": None}
-    results = execute(cfg, 2)
+    results = execute(cfg, 2, start="spawn", timeout=100)
     records = sum(Schedule(4000, 5, r["index"], 2).records(0, 200)[1] for r in results)
     assert records == Schedule(4000, 5).first(200) == 4000
     assert sum(r["total"] for r in results) == cfg["keys"] + records

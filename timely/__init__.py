@@ -63,16 +63,25 @@ __all__ = [
 ]
 
 
-def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str] | None = None) -> list[Any]:
+def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str] | None = None, *,
+            timeout: float | None = None, start: str = "fork") -> list[Any]:
     """Run ``main(worker)`` on ``workers`` workers; return each worker's result, by index.
 
-    One worker runs in the calling process; more run as separate processes exchanging data over
-    ZeroMQ. After ``main`` returns, inputs it left open are closed and the worker runs its dataflows
-    to completion.
+    Workers are processes exchanging data over ZeroMQ, started by ``start``: ``"fork"`` (the
+    default) forks them from the calling process, so ``main`` may be a closure; ``"spawn"`` starts
+    each as a fresh interpreter (multiprocessing's spawn), whose heap, peak memory and collector
+    state are then its own, and needs a picklable ``main`` (a module-level function, or a
+    ``functools.partial`` of one; :class:`TypeError` otherwise). Results must be picklable.
+    ``timeout`` seconds (``None``: no limit) bound the run: on expiry every worker is stopped and
+    reaped and :class:`TimeoutError` raised. One worker with ``start="fork"`` and no ``timeout``
+    runs in the calling process, with an in-process allocator (a timeout needs a process that can
+    be stopped, so it makes even one worker a child process). After ``main`` returns, inputs it
+    left open are closed and the worker runs its dataflows to completion. A failed worker raises
+    :class:`WorkerError` (:class:`WorkerOperatorError` for an operator's error) after the others
+    are stopped; ``workers < 1``, an unknown ``start`` or a ``timeout`` that is not positive raise
+    :class:`ValueError`.
     """
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, not {workers}")
-    if workers == 1:
+    if workers == 1 and start == "fork" and timeout is None:
         alloc = ThreadAllocator()
         try:
             with batch_gc():
@@ -82,6 +91,6 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
             return [result]
         finally:
             alloc.close()
-    from .cluster import execute_cluster
+    from .cluster import execute_cluster  # validates workers, timeout and start
 
-    return execute_cluster(main, workers, args or [])
+    return execute_cluster(main, workers, args or [], timeout=timeout, start=start)

@@ -1,12 +1,15 @@
 """Running workers as supervised processes on this host.
 
-:func:`execute_cluster` runs ``main(worker)`` in ``workers`` forked processes connected by a
+:func:`execute_cluster` runs ``main(worker)`` in ``workers`` processes connected by a
 :class:`~timely.comm.zmq_allocator.ZmqAllocator` and returns their results by index.
 :func:`supervise` is the process supervision it is built on, shared with ``python -m timely.launch``:
 
-* children are forked (so closures work) and create their ZeroMQ context only after the fork;
+* children are forked (``start="fork"``: closures work) or started as fresh interpreters
+  (``start="spawn"``: the entry must be picklable); either way they create their ZeroMQ context
+  only once they run;
 * each child dies with its parent (``PR_SET_PDEATHSIG`` = SIGKILL on Linux), ignores SIGINT (the
-  parent handles Ctrl-C for all) and exits cleanly on SIGTERM;
+  parent handles Ctrl-C for all), exits cleanly on SIGTERM, and exits as soon as its entry is done
+  (``os._exit``: neither its other threads nor a spawned interpreter's teardown hold it);
 * the parent waits on result pipes and process sentinels with timeouts, never blocking forever;
   when a worker fails or dies (even by SIGKILL), the others are stopped (SIGTERM, then SIGKILL
   after ``grace`` seconds) and every child is reaped before :func:`supervise` returns.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import multiprocessing
 import multiprocessing.connection
@@ -35,8 +39,11 @@ from .comm.endpoints import free_loopback_ports, ipc_endpoints, loopback_endpoin
 from .comm.errors import PeerLost
 from .errors import OperatorError, TimelyError
 
-__all__ = ["WorkerError", "WorkerOperatorError", "Outcome", "supervise", "run_worker", "execute_cluster",
-           "local_endpoints"]
+__all__ = ["START_METHODS", "WorkerError", "WorkerOperatorError", "Outcome", "supervise", "run_worker",
+           "execute_cluster", "local_endpoints"]
+
+#: How worker processes start: forked from the caller, or as fresh interpreters (multiprocessing's methods).
+START_METHODS = ("fork", "spawn")
 
 #: Seconds a stopped worker gets between SIGTERM and SIGKILL.
 STOP_GRACE = 3.0
@@ -178,7 +185,7 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
             pass
         sys.stdout.flush()
         sys.stderr.flush()
-    sys.exit(code)
+    os._exit(code)  # not the interpreter's teardown: seconds for a large heap, before the parent sees the end
 
 
 def _pickled(cause: BaseException) -> tuple[bytes | None, str]:
@@ -205,21 +212,29 @@ def _unpickled(cause: tuple[bytes | None, str]) -> BaseException:
 
 def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequence[int], *,
               grace: float = STOP_GRACE, timeout: float | None = None, collect: float = COLLECT_WINDOW,
-              on_failure: Callable[[Outcome], None] | None = None) -> list[Outcome]:
-    """Run ``entry(index, report)`` in one forked process per index; return their outcomes.
+              on_failure: Callable[[Outcome], None] | None = None, start: str = "fork") -> list[Outcome]:
+    """Run ``entry(index, report)`` in one child process per index; return their outcomes.
 
     ``report(value)`` hands a picklable result to the parent. A worker succeeds when it reported
     and exited with status 0. When one fails, ``on_failure`` is called once with the first failure
     and the others are stopped ``collect`` seconds later (meanwhile further outcomes are gathered,
     to tell the root cause from its consequences). ``timeout`` seconds (``None``: no limit) bounds the whole run; on
     expiry everyone is stopped and :class:`TimeoutError` raised. Every child is reaped on return,
-    on error and on ``KeyboardInterrupt``.
+    on error and on ``KeyboardInterrupt``. ``start`` is one of :data:`START_METHODS`: ``"fork"``
+    forks the children from this process, ``"spawn"`` starts each as a fresh interpreter, which
+    needs a picklable ``entry`` (:class:`TypeError` otherwise, before any child starts).
     """
-    ctx = multiprocessing.get_context("fork")
+    if start not in START_METHODS:
+        raise ValueError(f"start must be one of {', '.join(map(repr, START_METHODS))}, not {start!r}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+    if start == "spawn":
+        _require_picklable(entry, "the worker entry")
+    ctx: Any = multiprocessing.get_context(start)  # a fork or spawn context, with .Process
     outcomes = {i: Outcome(i) for i in indices}
     procs: dict[int, Any] = {}
     conns: dict[Any, int] = {}
-    start = time.monotonic()
+    began = time.monotonic()
     try:
         for i in indices:
             reader, writer = ctx.Pipe(duplex=False)
@@ -232,7 +247,7 @@ def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequ
         live = {procs[i].sentinel: i for i in indices}
         stop_at: float | None = None
         while live:
-            if timeout is not None and time.monotonic() - start > timeout:
+            if timeout is not None and time.monotonic() - began > timeout:
                 raise TimeoutError(f"workers {sorted(live.values())} still running after {timeout} s")
             for obj in multiprocessing.connection.wait([*conns, *live], timeout=0.2):
                 if obj in conns:
@@ -256,6 +271,15 @@ def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequ
         for c in list(conns):
             c.close()
     return [outcomes[i] for i in indices]
+
+
+def _require_picklable(obj: Any, what: str) -> None:
+    """Raise :class:`TypeError` naming ``what`` unless ``obj`` pickles (as ``start="spawn"`` needs)."""
+    try:
+        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(f"start='spawn' runs every worker in a fresh interpreter, so {what} must be picklable "
+                        f"(a module-level function, or a functools.partial of one): {exc}") from exc
 
 
 def _read_report(conn: Any, conns: dict[Any, int], outcomes: dict[int, Outcome]) -> None:
@@ -392,27 +416,32 @@ def local_endpoints(workers: int, transport: str, base_port: int | None = None) 
 
 def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str] | None = None, *,
                     transport: str = "ipc", timeout: float | None = None, grace: float = STOP_GRACE,
-                    **options: Any) -> list[Any]:
+                    start: str = "fork", **options: Any) -> list[Any]:
     """Run ``main(worker)`` in ``workers`` processes on this host; return each result by index.
 
     Results must be picklable. ``transport`` is ``"ipc"`` (Unix sockets in a private temporary
-    directory) or ``"tcp"`` (free ports on 127.0.0.1). ``options`` go to the
+    directory) or ``"tcp"`` (free ports on 127.0.0.1). ``timeout`` and ``start`` are
+    :func:`supervise`'s (with ``start="spawn"``, ``main`` must be picklable). ``options`` go to the
     :class:`~timely.comm.zmq_allocator.ZmqAllocator`. Raises :class:`WorkerError` naming the first
     worker that failed (with its traceback text) after stopping the others.
     """
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}")
+    if start == "spawn":
+        _require_picklable(main, "main")
     token = secrets.token_hex(16)
-    job_args = list(args or [])
     with local_endpoints(workers, transport) as endpoints:
-
-        def entry(index: int, report: Callable[[Any], None]) -> None:
-            run_worker(main, index, workers, endpoints, token, job_args, report, **options)
-
-        outcomes = supervise(entry, range(workers), grace=grace, timeout=timeout)
+        entry = functools.partial(_cluster_worker, main, workers, endpoints, token, list(args or []), options)
+        outcomes = supervise(entry, range(workers), grace=grace, timeout=timeout, start=start)
     if any(o.failed for o in outcomes):
         raise failure_error(outcomes)
     return [o.result for o in outcomes]
+
+
+def _cluster_worker(main: Callable[[Any], Any], peers: int, endpoints: list[str], token: str, args: list[str],
+                    options: dict[str, Any], index: int, report: Callable[[Any], None]) -> None:
+    """An :func:`execute_cluster` worker (at module level: ``start="spawn"`` pickles it by name)."""
+    run_worker(main, index, peers, endpoints, token, args, report, **options)
 
 
 def failure_error(outcomes: list[Outcome]) -> WorkerError:

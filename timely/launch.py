@@ -164,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if opts.workers < 1:
             raise _UsageError(f"-w must be at least 1, not {opts.workers}")
+        if opts.timeout is not None and not opts.timeout > 0:
+            raise _UsageError(f"--timeout must be a positive number of seconds, not {opts.timeout:g}")
         check_job(opts.job)
         with contextlib.ExitStack() as cleanup:
             endpoints, bind, token = _addresses(opts, cleanup)

@@ -1,0 +1,215 @@
+"""``timely.execute``: the one process runner (start methods, timeouts, argument checks).
+
+Every multi-process test bounds its run time, and the ``no_leftovers`` fixture (this process
+becomes the reaper of orphans) kills and reaps anything left behind, then asserts that nothing was.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from procs import children, new_children, no_leftover_children
+
+import timely
+from timely.cluster import WorkerError, WorkerOperatorError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: Set in this (the test) process before a run: a spawned worker imports this module afresh and
+#: sees it empty, a forked one inherits it.
+_MARKS: list[str] = []
+
+
+@pytest.fixture
+def no_leftovers():
+    """After the test, kill and reap every child (orphaned workers included) and fail if any."""
+    with no_leftover_children():
+        yield
+
+
+def _exchange(worker: timely.Worker, scale: int = 1) -> tuple:
+    """Each worker sends 100 records through an exchange; returns what it saw and where it ran."""
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        got: list = []
+        probe = inp.stream.exchange(None).inspect(got.append).probe()
+    inp.send_batch([scale * x for x in range(worker.index * 100, worker.index * 100 + 100)])
+    inp.close()
+    worker.step_while(lambda: not probe.done())
+    return worker.index, worker.peers, worker.args, sum(got), os.getpid(), list(_MARKS)
+
+
+def _forever(worker: timely.Worker) -> None:
+    worker.step_while(lambda: True)
+
+
+def _fail_in_operator(worker: timely.Worker) -> None:
+    def check(record: int) -> int:
+        if record == 7:
+            raise KeyError(record)
+        return record
+
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        probe = inp.stream.map(check, name="Checker").probe()
+    if worker.index == worker.peers - 1:
+        inp.send_batch(list(range(10)))
+    inp.advance_to(1)
+    worker.step_while(lambda: probe.less_than(inp.time))
+
+
+def _kill_self(worker: timely.Worker) -> None:
+    if worker.index == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    worker.step_while(lambda: True)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_spawn_runs_a_module_level_main_in_fresh_interpreters(no_leftovers, workers):
+    _MARKS.append("parent")
+    try:
+        results = timely.execute(_exchange, workers, args=["x"], start="spawn", timeout=60)
+    finally:
+        _MARKS.clear()
+    assert [r[:3] for r in results] == [(i, workers, ["x"]) for i in range(workers)]
+    assert sum(r[3] for r in results) == sum(range(100 * workers))
+    pids = {r[4] for r in results}
+    assert len(pids) == workers and os.getpid() not in pids
+    assert all(r[5] == [] for r in results)  # nothing of this process's state: a fresh interpreter
+
+
+@pytest.mark.timeout(60)
+def test_fork_workers_inherit_the_callers_state(no_leftovers):
+    _MARKS.append("parent")
+    try:
+        results = timely.execute(_exchange, 2)
+    finally:
+        _MARKS.clear()
+    assert [r[5] for r in results] == [["parent"], ["parent"]]
+
+
+@pytest.mark.timeout(60)
+def test_spawn_takes_a_partial_of_a_module_level_function(no_leftovers):
+    results = timely.execute(functools.partial(_exchange, scale=2), 2, start="spawn", timeout=50)
+    assert sum(r[3] for r in results) == 2 * sum(range(200))
+
+
+@pytest.mark.timeout(30)
+def test_spawn_rejects_a_main_that_cannot_be_pickled(no_leftovers):
+    def closure(worker):
+        return worker.index
+
+    before = {pid for pid, _ in children(os.getpid())}
+    for main in (closure, lambda worker: None, functools.partial(closure)):
+        with pytest.raises(TypeError, match=r"start='spawn' .* main must be picklable \(a module-level function"):
+            timely.execute(main, 2, start="spawn")
+    assert new_children(before) == []  # refused before any worker started
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kwargs, message", [
+    ({"workers": 0}, "workers must be at least 1, not 0"),
+    ({"start": "forkserver"}, "start must be one of 'fork', 'spawn', not 'forkserver'"),
+    ({"workers": 2, "start": "thread"}, "start must be one of"),
+    ({"timeout": -1.0}, "timeout must be a positive number of seconds or None, not -1.0"),
+    ({"timeout": 0, "start": "spawn"}, "timeout must be a positive"),
+])
+def test_invalid_arguments_are_clear_errors(no_leftovers, kwargs, message):
+    before = {pid for pid, _ in children(os.getpid())}
+    with pytest.raises(ValueError, match=message):
+        timely.execute(_exchange, **kwargs)
+    assert new_children(before) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers, start", [(1, "fork"), (2, "fork"), (1, "spawn"), (2, "spawn")])
+def test_a_timeout_stops_and_reaps_every_worker(no_leftovers, workers, start):
+    before = {pid for pid, _ in children(os.getpid())}
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"still running after 3(\.0)? s"):
+        timely.execute(_forever, workers, start=start, timeout=3)
+    assert time.monotonic() - began < 3 + 10  # the timeout, then SIGTERM and at most the grace
+    assert new_children(before) == []  # stopped and reaped before it raised
+
+
+@pytest.mark.timeout(30)
+def test_one_forked_worker_with_a_timeout_runs_a_closure_in_a_child(no_leftovers):
+    def main(worker):
+        return os.getpid(), worker.peers
+
+    ((pid, peers),) = timely.execute(main, timeout=20)
+    assert pid != os.getpid() and peers == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_operator_error_under_spawn_carries_its_cause(no_leftovers, workers):
+    with pytest.raises(WorkerOperatorError) as info:
+        timely.execute(_fail_in_operator, workers, start="spawn", timeout=50)
+    err = info.value
+    assert err.index == err.worker == workers - 1 and err.operator == "Checker"
+    assert type(err.cause) is KeyError and err.cause.args == (7,)
+    assert "test_execute.py" in err.remote_traceback and "KeyError: 7" in err.remote_traceback
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_spawned_worker_stops_the_others(no_leftovers):
+    began = time.monotonic()
+    with pytest.raises(WorkerError, match="worker 0 was killed by signal SIGKILL") as info:
+        timely.execute(_kill_self, 2, start="spawn", timeout=50)
+    assert info.value.signal == signal.SIGKILL
+    assert time.monotonic() - began < 20
+
+
+# A driver script whose spawned workers print their pids and run until stopped.
+DRIVER = """
+    import os
+    import timely
+
+    def main(worker):
+        os.write(1, f"worker {os.getpid()}\\n".encode())  # one write: lines of two workers never mix
+        worker.step_while(lambda: True)
+
+    if __name__ == "__main__":
+        timely.execute(main, 2, start="spawn")
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_spawned_workers_end_with_their_caller(tmp_path, no_leftovers, sig):
+    """Ctrl-C (the caller stops and reaps its workers), SIGTERM (the default action: the caller
+    dies at once) and SIGKILL: no worker outlives the caller."""
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(DRIVER))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        pids = [int(proc.stdout.readline().split()[1]) for _ in range(2)]
+        os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
+        proc.wait(20)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` runs (an exited orphan is our zombie until reaped: not alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
