@@ -1,18 +1,30 @@
 """Shared helpers for the dataflow tests: run a job on N workers, normalise results, size hypothesis.
 
 Parametrize ids are ``w1``/``w2``/``w3``: ``pytest -k w1`` runs the single-worker cases only.
+Property tests that fork workers use :func:`property_on_workers` (fewer examples with more workers).
+Helpers used by a few modules only live in small modules beside this one: ``epoch_input.py`` and
+``dataflows.py`` (random epochs, feeding and running them), ``oracles.py`` (per-epoch oracles),
+``progress_reference.py`` and ``reachability*.py`` (``timely.progress`` oracles), ``megaphone_jobs.py``.
 """
 from __future__ import annotations
 
-from collections import Counter
+import functools
+import inspect
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 
 import timely
+from timely.testing import bag
+from timely.testing import normalize as norm
 
 WORKER_COUNTS = [1, 2, 3]
 WORKER_IDS = [f"w{n}" for n in WORKER_COUNTS]
+
+#: ``@workers_param``: run the test once per worker count, with ids ``w1``/``w2``/``w3``.
+workers_param = pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
+
+__all__ = ["WORKER_COUNTS", "WORKER_IDS", "bag", "examples", "norm", "property_on_workers", "run", "workers_param"]
 
 
 def run(main, workers: int) -> list:
@@ -22,19 +34,8 @@ def run(main, workers: int) -> list:
 
 @pytest.fixture
 def runner():
+    """The :func:`run` helper as a fixture."""
     return run
-
-
-def norm(x):
-    """Lists and tuples become tuples, recursively (results crossing processes come back as tuples)."""
-    if isinstance(x, (list, tuple)):
-        return tuple(norm(y) for y in x)
-    return x
-
-
-def bag(items) -> Counter:
-    """A multiset of normalised items."""
-    return Counter(norm(x) for x in items)
 
 
 def examples(workers: int, single: int = 20, multi: int = 4):
@@ -44,3 +45,28 @@ def examples(workers: int, single: int = 20, multi: int = 4):
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
+
+
+def property_on_workers(single: int = 20, multi: int = 4, **strategies):
+    """Decorator: ``test(workers, ..., **drawn)`` runs once per worker count (``@workers_param``) as a
+    hypothesis property drawing ``strategies``, with :func:`examples` ``(workers, single, multi)``.
+
+    The test's other arguments (``@pytest.mark.parametrize`` values, fixtures) pass through; put
+    parametrize marks above this decorator. The example count depends on ``workers``, which is only
+    known when the test runs, so the settings are applied then.
+    """
+
+    def decorate(test):
+        signature = inspect.signature(test)
+
+        @functools.wraps(test)
+        def run_property(**params):
+            examples(params["workers"], single, multi)(given(**strategies)(test))(**params)
+
+        # pytest sees the test's own arguments less the drawn ones (and not test's through __wrapped__).
+        del run_property.__wrapped__
+        run_property.__signature__ = signature.replace(
+            parameters=[p for name, p in signature.parameters.items() if name not in strategies])
+        return workers_param(run_property)
+
+    return decorate

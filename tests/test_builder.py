@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import WORKER_COUNTS, WORKER_IDS, examples
-from hypothesis import given
+from conftest import property_on_workers
 from hypothesis import strategies as st
 
 import timely
@@ -32,20 +31,16 @@ def split_signs(stream: timely.Stream) -> tuple[timely.Stream, timely.Stream]:
     return positives, negatives
 
 
-@pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
-def test_a_two_output_operator_splits_like_a_list_comprehension(workers):
-    @examples(workers, single=15, multi=3)
-    @given(epochs=st.lists(st.lists(st.integers(-9, 9), max_size=10), min_size=1, max_size=3))
-    def check(epochs):
-        def build(s):
-            positives, negatives = split_signs(s)
-            return positives.map(lambda x: ("+", x)).concat(negatives.map(lambda x: ("-", x)))
+@property_on_workers(single=15, multi=3,
+                     epochs=st.lists(st.lists(st.integers(-9, 9), max_size=10), min_size=1, max_size=3))
+def test_a_two_output_operator_splits_like_a_list_comprehension(workers, epochs):
+    def build(s):
+        positives, negatives = split_signs(s)
+        return positives.map(lambda x: ("+", x)).concat(negatives.map(lambda x: ("-", x)))
 
-        want = [(e, sorted([("+", x) for x in r if x >= 0] + [("-", x) for x in r if x < 0]))
-                for e, r in enumerate(epochs) if r]
-        assert run_epochs(build, epochs, workers=workers) == want
-
-    check()
+    want = [(e, sorted([("+", x) for x in r if x >= 0] + [("-", x) for x in r if x < 0]))
+            for e, r in enumerate(epochs) if r]
+    assert run_epochs(build, epochs, workers=workers) == want
 
 
 def test_a_delaying_summary_lets_the_operator_send_one_epoch_later():
@@ -73,9 +68,8 @@ def test_a_delaying_summary_lets_the_operator_send_one_epoch_later():
 def test_the_shape_is_frozen_after_build():
     def main(worker):
         with worker.dataflow() as scope:
-            inp = scope.new_input()
             b = OperatorBuilder(scope, "Frozen")
-            b.new_input(inp.stream)
+            b.new_input(scope.new_input().stream)
             b.build(lambda caps: None)
             with pytest.raises(timely.BuildError, match="Frozen"):
                 b.new_output()

@@ -21,6 +21,8 @@ from timely.comm.errors import AddressInUse, ChannelMismatch, HandshakeError, Ho
 from timely.comm.zmq_allocator import ZmqAllocator
 from timely.errors import TimelyError
 
+pytestmark = pytest.mark.timeout(60)
+
 
 @pytest.fixture
 def no_leftovers():
@@ -155,7 +157,6 @@ def test_address_in_use_ipc(tmp_path):
 
 
 # -- between processes -----------------------------------------------------------------------------
-@pytest.mark.timeout(60)
 def test_fifo_no_loss_no_duplicates_several_channels(no_leftovers, endpoints):
     n, count, channels = 3, 3000, (0, 2, 5)
 
@@ -194,7 +195,6 @@ def test_fifo_no_loss_no_duplicates_several_channels(no_leftovers, endpoints):
         assert set(events) <= set(channels)
 
 
-@pytest.mark.timeout(60)
 def test_messages_for_a_channel_not_yet_allocated_are_kept(no_leftovers, endpoints):
     def entry(index, report):
         alloc = ZmqAllocator(index, 2, endpoints[:2], "job")
@@ -220,7 +220,6 @@ def test_messages_for_a_channel_not_yet_allocated_are_kept(no_leftovers, endpoin
     assert _results(_run(entry, 2))[0] == list(range(100))
 
 
-@pytest.mark.timeout(60)
 def test_channel_mismatch_is_a_loud_error(no_leftovers, endpoints):
     def entry(index, report):
         alloc = ZmqAllocator(index, 2, endpoints[:2], "job")
@@ -250,7 +249,6 @@ def test_channel_mismatch_is_a_loud_error(no_leftovers, endpoints):
     assert message and "worker 1 sent a message on channel 1" in message and "same order" in message
 
 
-@pytest.mark.timeout(60)
 def test_clean_close_delivers_everything_to_a_late_reader(no_leftovers, endpoints):
     """The sender closes right after pushing; the receiver starts reading a second later."""
     count = 20000
@@ -276,7 +274,6 @@ def test_clean_close_delivers_everything_to_a_late_reader(no_leftovers, endpoint
     assert _results(_run(entry, 2)) == [None, True]
 
 
-@pytest.mark.timeout(60)
 def test_slow_consumer_bounds_the_producer_backlog(no_leftovers, endpoints):
     bound, batches, size = 256 << 10, 300, 1000
 
@@ -312,7 +309,6 @@ def test_slow_consumer_bounds_the_producer_backlog(no_leftovers, endpoints):
     assert elapsed > batches * 0.004 * 0.5, "the producer was not slowed down by its consumer"
 
 
-@pytest.mark.timeout(60)
 def test_two_workers_flooding_each_other_do_not_deadlock(no_leftovers, endpoints):
     batches, size = 200, 10000
 
@@ -335,7 +331,6 @@ def test_two_workers_flooding_each_other_do_not_deadlock(no_leftovers, endpoints
     assert _results(_run(entry, 2)) == [batches * size] * 2
 
 
-@pytest.mark.timeout(60)
 def test_wrong_token_is_rejected(no_leftovers, endpoints):
     def entry(index, report):
         try:
@@ -349,7 +344,6 @@ def test_wrong_token_is_rejected(no_leftovers, endpoints):
         assert message is not None and "token" in message, message
 
 
-@pytest.mark.timeout(60)
 def test_killed_peer_raises_peer_lost_quickly(no_leftovers, endpoints):
     def entry(index, report):
         alloc = ZmqAllocator(index, 3, endpoints, "job")
@@ -376,7 +370,6 @@ def test_killed_peer_raises_peer_lost_quickly(no_leftovers, endpoints):
     assert 2 in lost
 
 
-@pytest.mark.timeout(60)
 def test_abort_tells_peers_why(no_leftovers, endpoints):
     def entry(index, report):
         if index == 1:
@@ -400,7 +393,6 @@ def test_abort_tells_peers_why(no_leftovers, endpoints):
     assert "worker 1 failed: ValueError: the reason" in message
 
 
-@pytest.mark.timeout(60)
 def test_an_idle_worker_uses_no_cpu(no_leftovers, endpoints):
     def entry(index, report):
         alloc = ZmqAllocator(index, 2, endpoints[:2], "job")
@@ -416,7 +408,6 @@ def test_an_idle_worker_uses_no_cpu(no_leftovers, endpoints):
         assert cpu < 0.05
 
 
-@pytest.mark.timeout(60)
 def test_a_silent_peer_is_detected_by_heartbeats(no_leftovers, endpoints):
     """A stopped process keeps its sockets open but stops answering ZMTP heartbeats (like a hung
     or unreachable host): its peers raise PeerLost after the heartbeat timeout."""

@@ -27,6 +27,24 @@ def raised_cause(excinfo, kind):
     raise AssertionError(f"no {kind.__name__} in the chain of {excinfo.value!r}")
 
 
+def error_message(main, kind) -> str:
+    """The message of the ``kind`` error that running ``main`` on one worker must raise."""
+    with pytest.raises(kind) as ei:
+        run(main, 1)
+    return str(ei.value)
+
+
+def build_error(build, kind) -> str:
+    """:func:`error_message` of a job that only builds a dataflow: ``build(scope, inp)`` with the
+    dataflow's scope and one new input in it."""
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            build(scope, scope.new_input())
+
+    return error_message(main, kind)
+
+
 def run_unary(constructor, records=(1, 2, 3), name="Bad"):
     """Run ``constructor`` as a unary operator over ``records`` at epoch 0 on one worker."""
 
@@ -250,26 +268,21 @@ def test_feedback_step_must_be_positive(step):
         with worker.dataflow() as scope:
             scope.feedback(step)
 
-    with pytest.raises(ValueError) as ei:
-        run(main, 1)
-    assert "positive" in str(ei.value) and str(step) in str(ei.value)
+    msg = error_message(main, ValueError)
+    assert "positive" in msg and str(step) in msg
 
 
 def test_identity_cycle_with_operator_builder():
     """An operator fed by its own downstream through identity summaries: CycleError at build."""
 
-    def main(worker):
-        with worker.dataflow() as scope:
-            inp = scope.new_input()
-            b = OperatorBuilder(scope, "CycleHead")
-            _, head = b.new_output()
-            tail = inp.stream.concat(head).map(lambda x: x, name="CycleBody")
-            b.new_input(tail)
-            b.build(lambda caps: (lambda: None))
+    def build(scope, inp):
+        b = OperatorBuilder(scope, "CycleHead")
+        _, head = b.new_output()
+        tail = inp.stream.concat(head).map(lambda x: x, name="CycleBody")
+        b.new_input(tail)
+        b.build(lambda caps: (lambda: None))
 
-    with pytest.raises(CycleError) as ei:
-        run(main, 1)
-    msg = str(ei.value)
+    msg = build_error(build, CycleError)
     assert "does not advance time" in msg and ("CycleHead" in msg or "CycleBody" in msg)
 
 
@@ -277,19 +290,16 @@ def test_identity_cycle_through_leave_and_enter():
     """A cycle leave() -> enter() through a nested scope, with no feedback in the outer scope: the
     outer epoch is unchanged all the way round, so it is an identity cycle (CycleError)."""
 
-    def main(worker):
-        with worker.dataflow() as scope:
-            inp = scope.new_input()
-            b = OperatorBuilder(scope, "OuterHead")
-            _, head = b.new_output()
-            with scope.iterative() as inner:
-                back = inp.stream.concat(head).enter(inner).map(lambda x: x).leave()
-            b.new_input(back)
-            b.build(lambda caps: (lambda: None))
+    def build(scope, inp):
+        b = OperatorBuilder(scope, "OuterHead")
+        _, head = b.new_output()
+        with scope.iterative() as inner:
+            back = inp.stream.concat(head).enter(inner).map(lambda x: x).leave()
+        b.new_input(back)
+        b.build(lambda caps: (lambda: None))
 
-    with pytest.raises(CycleError) as ei:
-        run(main, 1)
-    assert "OuterHead" in str(ei.value)
+    msg = build_error(build, CycleError)
+    assert "OuterHead" in msg
 
 
 def test_cycle_through_leave_enter_and_inner_feedback():
@@ -297,31 +307,23 @@ def test_cycle_through_leave_enter_and_inner_feedback():
     Round the cycle, (e, i) becomes (e, 0) + 1 = (e, 1): for i >= 1 the cycle does not advance time
     (DESIGN 2.7), so building it must fail with CycleError, not be accepted."""
 
-    def main(worker):
-        with worker.dataflow() as scope:
-            inp = scope.new_input()
-            with scope.iterative() as inner:
-                h, loop = inner.feedback(1, name="InnerLoop")
-                body = inp.stream.enter(inner).concat(loop)
-                back = body.leave().enter(inner)
-                back.filter(lambda x: x > 0).map(lambda x: x - 1).connect_loop(h)
-        return "built"
+    def build(scope, inp):
+        with scope.iterative() as inner:
+            h, loop = inner.feedback(1, name="InnerLoop")
+            body = inp.stream.enter(inner).concat(loop)
+            back = body.leave().enter(inner)
+            back.filter(lambda x: x > 0).map(lambda x: x - 1).connect_loop(h)
 
-    with pytest.raises(CycleError) as ei:
-        run(main, 1)
-    assert "does not advance time" in str(ei.value)
+    msg = build_error(build, CycleError)
+    assert "does not advance time" in msg
 
 
 def test_feedback_never_connected():
-    def main(worker):
-        with worker.dataflow() as scope:
-            inp = scope.new_input()
-            h, loop = scope.feedback(1, name="Dangling")
-            inp.stream.concat(loop).probe()
+    def build(scope, inp):
+        h, loop = scope.feedback(1, name="Dangling")
+        inp.stream.concat(loop).probe()
 
-    with pytest.raises(timely.errors.BuildError) as ei:
-        run(main, 1)
-    msg = str(ei.value)
+    msg = build_error(build, timely.errors.BuildError)
     # The message must say what to do about a *feedback*, not just "operators never built".
     assert "Dangling" in msg and ("never connected" in msg or "connect_loop" in msg), msg
 
@@ -340,30 +342,22 @@ def test_feedback_connected_twice():
 
 
 def test_outer_stream_in_inner_scope_without_enter():
-    def main(worker):
-        with worker.dataflow() as scope:
-            inp = scope.new_input()
-            with scope.iterative() as inner:
-                h, loop = inner.feedback(1)
-                loop.concat(inp.stream, name="Mixer")  # inp.stream is not entered
+    def build(scope, inp):
+        with scope.iterative() as inner:
+            h, loop = inner.feedback(1)
+            loop.concat(inp.stream, name="Mixer")  # inp.stream is not entered
 
-    with pytest.raises(ValueError) as ei:
-        run(main, 1)
-    msg = str(ei.value)
+    msg = build_error(build, ValueError)
     assert "Mixer" in msg and "enter()" in msg
 
 
 def test_inner_stream_in_outer_scope_without_leave():
-    def main(worker):
-        with worker.dataflow() as scope:
-            inp = scope.new_input()
-            with scope.iterative() as inner:
-                inside = inp.stream.enter(inner)
-            inp.stream.binary(inside, lambda cap, info: None, name="Joiner")
+    def build(scope, inp):
+        with scope.iterative() as inner:
+            inside = inp.stream.enter(inner)
+        inp.stream.binary(inside, lambda cap, info: None, name="Joiner")
 
-    with pytest.raises(ValueError) as ei:
-        run(main, 1)
-    msg = str(ei.value)
+    msg = build_error(build, ValueError)
     assert "Joiner" in msg and "leave()" in msg
 
 
@@ -372,17 +366,14 @@ def test_stream_of_sibling_scope_without_leave_enter():
     scope): it must be rejected like any other stream from another scope, not silently mixed into
     the sibling's loop coordinates."""
 
-    def main(worker):
-        with worker.dataflow() as scope:
-            inp = scope.new_input()
-            with scope.iterative() as first:
-                s = inp.stream.enter(first).map(lambda x: x)
-            with scope.iterative() as second:
-                inp.stream.enter(second).concat(s, name="SiblingMixer").leave().probe()
+    def build(scope, inp):
+        with scope.iterative() as first:
+            s = inp.stream.enter(first).map(lambda x: x)
+        with scope.iterative() as second:
+            inp.stream.enter(second).concat(s, name="SiblingMixer").leave().probe()
 
-    with pytest.raises(ValueError) as ei:
-        run(main, 1)
-    assert "SiblingMixer" in str(ei.value)
+    msg = build_error(build, ValueError)
+    assert "SiblingMixer" in msg
 
 
 def test_stream_of_another_dataflow():
@@ -392,9 +383,8 @@ def test_stream_of_another_dataflow():
         with worker.dataflow() as scope:
             scope.new_input().stream.concat(first, name="Crosser")
 
-    with pytest.raises(ValueError) as ei:
-        run(main, 1)
-    assert "Crosser" in str(ei.value) and "another dataflow" in str(ei.value)
+    msg = error_message(main, ValueError)
+    assert "Crosser" in msg and "another dataflow" in msg
 
 
 def test_enter_needs_a_directly_nested_scope():
@@ -427,9 +417,7 @@ def test_partition_route_out_of_range():
         inp.send_batch([0, 1, 7])
         worker.finish()
 
-    with pytest.raises(timely.OperatorError) as ei:
-        run(main, 1)
-    msg = str(ei.value)
+    msg = error_message(main, timely.OperatorError)
     assert "Splitter" in msg and "7" in msg and "0..1" in msg
 
 

@@ -10,14 +10,11 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import pytest
-from conftest import WORKER_COUNTS, WORKER_IDS, examples, norm, run
-from hypothesis import given
+from conftest import norm, property_on_workers, run
 from hypothesis import strategies as st
+from megaphone_jobs import STEP_TIMEOUT
 
 import megaphone
-
-workers_param = pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
-STEP_TIMEOUT = 30
 
 keys = st.integers(0, 40)
 records = st.lists(st.tuples(keys, st.integers(1, 5)), max_size=25)
@@ -38,6 +35,37 @@ def drive(worker, data_inputs, control, handle, epochs, moves, check_bins=True):
         if check_bins:
             owned.append((handle.owned_bins(), list(handle.routing_table())))
     return owned
+
+
+def draw_moves(data, k: int, workers: int, epochs: int) -> list[dict]:
+    """Per epoch, up to 4 random moves ``{bin: worker}`` of the ``2^k`` bins (for worker 0 to issue)."""
+    return [data.draw(st.dictionaries(st.integers(0, (1 << k) - 1), st.integers(0, workers - 1), max_size=4),
+                      label=f"moves{e}") for e in range(epochs)]
+
+
+def megaphone_job(epochs, moves, k: int, build, inputs: int = 1):
+    """The job of one test run: ``build(streams, control)`` makes the megaphone operator over
+    ``inputs`` data inputs and a control input of ``2^k`` bins; :func:`drive` feeds ``epochs`` and
+    ``moves``. Each worker returns its captured output and what :func:`drive` observed."""
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            data = [scope.new_input() for _ in range(inputs)]
+            control = megaphone.ControlInput(scope, k=k)
+            m = build([d.stream for d in data], control)
+            cap = m.stream.capture()
+        owned = drive(worker, data, control, m, epochs, moves)
+        for h in (*data, control):
+            h.close()
+        worker.finish()
+        return cap.extract(), owned
+
+    return main
+
+
+def run_normalized(main, workers: int) -> list:
+    """:func:`run`, each worker's ``(output, owned)`` normalised (lists become tuples)."""
+    return [(norm(r[0]), norm(r[1])) for r in run(main, workers)]
 
 
 def check_ownership(results, peers: int, k: int):
@@ -76,23 +104,14 @@ def running_counts(epochs):
 
 
 def sm_job(epochs, moves, k):
+    """A running sum per key in a state machine whose bins migrate in many chunks (``chunk=4``)."""
+
     def fold(key, value, state):
         state = (state or 0) + value
         return state, [(key, state)]
 
-    def main(worker):
-        with worker.dataflow() as scope:
-            data = scope.new_input()
-            control = megaphone.ControlInput(scope, k=k)
-            m = megaphone.state_machine(data.stream, control, None, fold, chunk=4)  # many chunks per bin
-            cap = m.stream.capture()
-        owned = drive(worker, [data], control, m, epochs, moves)
-        data.close()
-        control.close()
-        worker.finish()
-        return cap.extract(), owned
-
-    return main
+    return megaphone_job(epochs, moves, k,
+                         lambda s, control: megaphone.state_machine(s[0], control, None, fold, chunk=4))
 
 
 def summarise_sm(results):
@@ -105,26 +124,19 @@ def summarise_sm(results):
     return Counter({(t, key, max(s), len(s)): 1 for (t, key), s in per.items()})
 
 
-@workers_param
 @pytest.mark.timeout(300)
-def test_state_machine_with_random_migrations(workers):
-    examples(workers)(given(data=st.data())(lambda data: _check_state_machine(workers, data)))()
-
-
-def _check_state_machine(workers, data):
+@property_on_workers(data=st.data())
+def test_state_machine_with_random_migrations(workers, data):
     k = data.draw(st.integers(1, 5), label="k")
     n = data.draw(st.integers(1, 5), label="epochs")
     epochs = [(data.draw(records, label=f"records{e}"),) for e in range(n)]
-    bins = 1 << k
-    moves = [data.draw(st.dictionaries(st.integers(0, bins - 1), st.integers(0, workers - 1), max_size=4),
-                       label=f"moves{e}") for e in range(n)]
-    results = run(sm_job(epochs, moves, k), workers)
-    results = [(norm(r[0]), norm(r[1])) for r in results]
+    moves = draw_moves(data, k, workers, n)
+    results = run_normalized(sm_job(epochs, moves, k), workers)
     expected = running_counts(epochs)
     assert summarise_sm(results) == expected
     check_ownership(results, workers, k)
     # The same job without migration gives the same outputs.
-    plain = [(norm(r[0]), norm(r[1])) for r in run(sm_job(epochs, [{}] * n, k), workers)]
+    plain = run_normalized(sm_job(epochs, [{}] * n, k), workers)
     assert summarise_sm(plain) == summarise_sm(results)
 
 
@@ -141,35 +153,18 @@ def timers_job(epochs, moves, k, delay):
             out.append(("echo", key, v, state[key] >= v))
         return out
 
-    def main(worker):
-        with worker.dataflow() as scope:
-            data = scope.new_input()
-            control = megaphone.ControlInput(scope, k=k)
-            m = megaphone.unary(data.stream, control, 0, fold)
-            cap = m.stream.capture()
-        owned = drive(worker, [data], control, m, epochs, moves)
-        data.close()
-        control.close()
-        worker.finish()
-        return cap.extract(), owned
-
-    return main
+    return megaphone_job(epochs, moves, k, lambda s, control: megaphone.unary(s[0], control, 0, fold))
 
 
-@workers_param
 @pytest.mark.timeout(300)
-def test_unary_timers_migrate_with_their_bin(workers):
-    examples(workers)(given(data=st.data())(lambda data: _check_timers(workers, data)))()
-
-
-def _check_timers(workers, data):
+@property_on_workers(data=st.data())
+def test_unary_timers_migrate_with_their_bin(workers, data):
     k = data.draw(st.integers(1, 4), label="k")
     n = data.draw(st.integers(1, 5), label="epochs")
     delay = data.draw(st.integers(1, 3), label="delay")
     epochs = [(data.draw(records, label=f"records{e}"),) for e in range(n)]
-    moves = [data.draw(st.dictionaries(st.integers(0, (1 << k) - 1), st.integers(0, workers - 1), max_size=4),
-                       label=f"moves{e}") for e in range(n)]
-    results = [(norm(r[0]), norm(r[1])) for r in run(timers_job(epochs, moves, k, delay), workers)]
+    moves = draw_moves(data, k, workers, n)
+    results = run_normalized(timers_job(epochs, moves, k, delay), workers)
     got = outputs(results)
     expected = Counter()
     for t, (recs,) in enumerate(epochs):
@@ -195,36 +190,19 @@ def join_job(epochs, moves, k):
             rights.setdefault(key, []).append(b)
         return out
 
-    def main(worker):
-        with worker.dataflow() as scope:
-            left = scope.new_input()
-            right = scope.new_input()
-            control = megaphone.ControlInput(scope, k=k)
-            m = megaphone.binary(left.stream, right.stream, control, 0, 0, fold)
-            cap = m.stream.capture()
-        owned = drive(worker, [left, right], control, m, epochs, moves)
-        for h in (left, right, control):
-            h.close()
-        worker.finish()
-        return cap.extract(), owned
-
-    return main
+    return megaphone_job(epochs, moves, k, lambda s, control: megaphone.binary(s[0], s[1], control, 0, 0, fold),
+                         inputs=2)
 
 
-@workers_param
 @pytest.mark.timeout(300)
-def test_binary_join_with_random_migrations(workers):
-    examples(workers)(given(data=st.data())(lambda data: _check_join(workers, data)))()
-
-
-def _check_join(workers, data):
+@property_on_workers(data=st.data())
+def test_binary_join_with_random_migrations(workers, data):
     k = data.draw(st.integers(1, 4), label="k")
     n = data.draw(st.integers(1, 4), label="epochs")
     side = st.lists(st.tuples(st.integers(0, 8), st.integers(0, 99)), max_size=8)
     epochs = [(data.draw(side, label=f"left{e}"), data.draw(side, label=f"right{e}")) for e in range(n)]
-    moves = [data.draw(st.dictionaries(st.integers(0, (1 << k) - 1), st.integers(0, workers - 1), max_size=4),
-                       label=f"moves{e}") for e in range(n)]
-    results = [(norm(r[0]), norm(r[1])) for r in run(join_job(epochs, moves, k), workers)]
+    moves = draw_moves(data, k, workers, n)
+    results = run_normalized(join_job(epochs, moves, k), workers)
     got = outputs(results)
     expected = Counter()
     for t1, (left, _) in enumerate(epochs):

@@ -11,14 +11,13 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from conftest import WORKER_COUNTS, WORKER_IDS
+from conftest import workers_param
 
 from nexmark.generator import Generator
 from nexmark.harness import Run, diff, execute, expected, random_moves
 from nexmark.model import Config, Params
 from nexmark.queries import QUERIES
 
-workers_param = pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
 queries_param = pytest.mark.parametrize("query", sorted(QUERIES))
 
 EVENTS = 6000

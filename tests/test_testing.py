@@ -4,8 +4,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from conftest import WORKER_COUNTS, WORKER_IDS, examples
-from hypothesis import given
+from conftest import property_on_workers, workers_param
 from hypothesis import strategies as st
 
 import timely
@@ -14,19 +13,14 @@ from timely.testing import bag, normalize, run_epochs
 EPOCHS = st.lists(st.lists(st.integers(-5, 5), max_size=12), min_size=1, max_size=4)
 
 
-@pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
-def test_count_by_key_matches_a_sequential_count(workers):
-    @examples(workers, single=15, multi=3)
-    @given(epochs=EPOCHS)
-    def check(epochs):
-        got = run_epochs(lambda s: s.count_by_key(), epochs, workers=workers)
-        want = [(e, sorted(Counter(recs).items())) for e, recs in enumerate(epochs) if recs]
-        assert got == want
-
-    check()
+@property_on_workers(single=15, multi=3, epochs=EPOCHS)
+def test_count_by_key_matches_a_sequential_count(workers, epochs):
+    got = run_epochs(lambda s: s.count_by_key(), epochs, workers=workers)
+    want = [(e, sorted(Counter(recs).items())) for e, recs in enumerate(epochs) if recs]
+    assert got == want
 
 
-@pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
+@workers_param
 def test_records_keep_their_epoch_and_lists_come_back_as_tuples(workers):
     epochs = [[[1, 2], [3]], [], [[4]]]
     got = run_epochs(lambda s: s.map(lambda r: [r, len(r)]), epochs, workers=workers)
