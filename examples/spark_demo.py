@@ -32,19 +32,10 @@ def free_port() -> int:
 
 
 def spark_session(cores: int = 2):
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    from pyspark.sql import SparkSession
+    """A loopback-only local Spark with ``format("timely")`` registered."""
+    from spark_bridge.session import local_session
 
-    spark = (SparkSession.builder.master(f"local[{cores}]").appName("timely-spark-demo")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "2")
-             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
-             .config("spark.driver.extraJavaOptions", "-XX:+UseSerialGC -XX:TieredStopAtLevel=1")
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
+    return local_session(f"local[{cores}]", "timely-spark-demo", python_path=str(ROOT))
 
 
 def start_cluster(workers: int, coordinator: str, extra: list[str]) -> subprocess.Popen:
@@ -82,7 +73,6 @@ def main(argv=None) -> int:
     proc = start_cluster(args.workers, coordinator, ["--megaphone"] if args.megaphone else [])
     try:
         spark = spark_session()
-        spark_bridge.register(spark)
         df = spark.range(0, args.rows, numPartitions=4).selectExpr(
             f"(id * 2654435761) % {args.keys} as key", "id as value").cache()
         t0 = time.monotonic()

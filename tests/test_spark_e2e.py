@@ -33,20 +33,10 @@ SCHEMA = "key bigint, value bigint"
 
 @pytest.fixture(scope="session")
 def spark():
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    # Spark's Python workers find pyspark_timely (auto-registration) and spark_bridge on this path.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    from pyspark.sql import SparkSession
+    from spark_bridge.session import local_session
 
-    session = (SparkSession.builder.master("local[2,2]").appName("timely-bridge-tests")
-               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
-               .config("spark.driver.extraJavaOptions", "-XX:+UseSerialGC -XX:TieredStopAtLevel=1")
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
+    # Spark's Python workers find pyspark_timely (auto-registration) and spark_bridge on ROOT.
+    session = local_session("local[2,2]", "timely-bridge-tests", python_path=ROOT, register=False)
     yield session
     session.stop()
     _stop_jvm()
