@@ -61,7 +61,7 @@ class Shared:
         self.left_times: list[Any] = []  # times of timers shipped away, until S rechecks their capabilities
 
     def table_at(self, time: Any) -> Table:
-        """The routing table in force at ``time`` (DESIGN 5.3: records route by their own time)."""
+        """The routing table in force at ``time`` (ARCHITECTURE 5.3: records route by their own time)."""
         return self.config_tables[bisect_right(self.config_times, time) - 1]
 
     def routing_table(self) -> Table:
@@ -84,7 +84,7 @@ class Shared:
         return bin_
 
     def bin_for_record(self, b: int, t: Any) -> Bin:
-        """Bin ``b``, which a record at time ``t`` was routed here for (DESIGN 5.3: this worker holds it)."""
+        """Bin ``b``, which a record at time ``t`` was routed here for (ARCHITECTURE 5.3: this worker holds it)."""
         bin_ = self.bins[b]
         if bin_ is None:
             raise MegaphoneError(

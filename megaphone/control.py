@@ -1,7 +1,7 @@
 """The control stream: timestamped configuration updates that say which worker owns which bin.
 
 A configuration update at time ``t`` says: from ``t`` on, bin ``b`` lives on worker ``w``
-(DESIGN.md section 5.1). Updates are ordinary records of a timely input, broadcast to every worker by
+(ARCHITECTURE.md section 5.1). Updates are ordinary records of a timely input, broadcast to every worker by
 the migratable operators, so the progress protocol orders migrations with the data: no locks, no
 pause, no side channel. The records and their validation are those of :mod:`megaphone.table`.
 """

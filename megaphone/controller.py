@@ -3,7 +3,7 @@
 A step is issued at the control input's current time ``t``; it is complete once the probe on the
 migratable operator's output has passed ``t`` (``not probe.less_equal(t)``): the moved bins were
 installed on their new owners *and* every record up to ``t`` was applied, so the backlog queued
-behind the step has drained before the next step starts (DESIGN.md 5.6, the paper's "gap").
+behind the step has drained before the next step starts (ARCHITECTURE.md 5.6, the paper's "gap").
 
 Driving it
 ----------

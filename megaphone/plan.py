@@ -3,7 +3,7 @@
 A routing table maps each bin to a worker (``table[b]`` is the owner of bin ``b``). A *plan* from
 ``current`` to ``target`` is a list of steps, each a ``{bin: worker}`` dict of moves issued together
 over the control input (one timestamp); a controller issues the next step only once the previous one
-has completed (DESIGN.md 5.6). Strategies (Megaphone paper, sections 3.3 and 4.4):
+has completed (ARCHITECTURE.md 5.6). Strategies (Megaphone paper, sections 3.3 and 4.4):
 
 * ``"all_at_once"``: one step with every changed bin (the "partial pause-and-resume" of other
   systems);

@@ -1,7 +1,7 @@
 """F, the routing operator of the Megaphone paper: it routes records by the configuration in force
 at their time, and ships the state of moving bins to their new owners at migration times.
 
-Invariants of DESIGN.md section 5 relied on here: a record is routed by the table in force at its
+Invariants of ARCHITECTURE.md section 5 relied on here: a record is routed by the table in force at its
 own time, only once that table is final (5.3); a bin leaves only once S has applied every time
 before the migration time (5.4).
 """
@@ -58,12 +58,12 @@ class RoutingOperator:
             shared.config_times.append(t)
             shared.config_tables.append(new)
             self.to_extract.append((t, old, new, cap))
-        # 3. Ship moving bins once S has finished every time before t (DESIGN 5.4); until then the
+        # 3. Ship moving bins once S has finished every time before t (ARCHITECTURE 5.4); until then the
         #    capability at t on the state output keeps S from applying anything at or after t.
         while self.to_extract and not self.probe.less_than(self.to_extract[0][0]):
             t, old, new, cap = self.to_extract.pop(0)
             self._extract(t, old, new, cap, state_out)
-        # 4. New data: route now if the configuration at its time is final, else stash it (DESIGN 5.3).
+        # 4. New data: route now if the configuration at its time is final, else stash it (ARCHITECTURE 5.3).
         for i, inp in enumerate(data_in):
             for cap, batch in inp:
                 t = cap.time

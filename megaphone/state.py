@@ -1,7 +1,7 @@
 """S, the state operator of the Megaphone paper: it holds the bins of keyed state and applies the
 records of a time once every data input and the state input have passed it.
 
-Invariants of DESIGN.md section 5 relied on here: state arriving for a bin is installed before any
+Invariants of ARCHITECTURE.md section 5 relied on here: state arriving for a bin is installed before any
 later record of the bin (5.4), and times are applied in order (5.5).
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ class StateOperator:
     def run(self, inputs: list[OperatorInput], state_in: OperatorInput, out: OperatorOutput) -> None:
         """One activation: install arriving bins, stash data, apply complete times in order."""
         shared = self.shared
-        # 1. Install arriving state first (DESIGN 5.4: installed before any later record of the bin).
+        # 1. Install arriving state first (ARCHITECTURE 5.4: installed before any later record of the bin).
         for cap, batch in state_in:
             started = _time.perf_counter()
             nbytes = entries = 0
@@ -108,7 +108,7 @@ class StateOperator:
                     heapq.heappush(self.pending_heap, t)
                     self.hold(t, cap)
                 per_input[i].append(batch)
-        # 3. Apply complete times in time order (DESIGN 5.5).
+        # 3. Apply complete times in time order (ARCHITECTURE 5.5).
         applied = []
         while True:
             t = self._next_time()

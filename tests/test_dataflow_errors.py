@@ -305,7 +305,7 @@ def test_identity_cycle_through_leave_and_enter():
 def test_cycle_through_leave_enter_and_inner_feedback():
     """An inner feedback(1) whose loop goes out of the nested scope and back in (leave -> enter).
     Round the cycle, (e, i) becomes (e, 0) + 1 = (e, 1): for i >= 1 the cycle does not advance time
-    (DESIGN 2.7), so building it must fail with CycleError, not be accepted."""
+    (ARCHITECTURE 2.7), so building it must fail with CycleError, not be accepted."""
 
     def build(scope, inp):
         with scope.iterative() as inner:

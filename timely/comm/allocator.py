@@ -4,7 +4,7 @@ This layer moves messages between workers. It knows nothing of timestamps, opera
 a message is any msgpack-serialisable Python object (a remote allocator serialises it, the local
 allocator passes it by reference, so a pushed object must not be mutated afterwards).
 
-Contract every allocator keeps (the progress protocol relies on it, DESIGN.md section 2.3):
+Contract every allocator keeps (the progress protocol relies on it, ARCHITECTURE.md section 2.3):
 
 * Channels are identified by integers allocated in the same order on every worker.
 * Delivery between one pair of workers is FIFO across *all* channels, loss-free and duplicate-free.

@@ -6,7 +6,7 @@ explicit: :meth:`Capability.drop`, or use the capability as a context manager. A
 never dropped keeps its time open forever, exactly like a leaked capability in timely.
 
 A capability knows only its operator's index, name and the dataflow's progress batch: it records
-its changes there and nothing else (DESIGN 2.2: they travel in the step's one progress batch).
+its changes there and nothing else (ARCHITECTURE 2.2: they travel in the step's one progress batch).
 """
 from __future__ import annotations
 

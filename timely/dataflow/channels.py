@@ -3,7 +3,7 @@
 A channel moves ``(time, batch)`` messages from one operator output to one operator input. It
 reports how many records it delivered, summed over all workers, so that the produced count at the
 input (+n at its Target) always equals what the receivers will consume (-n): an exchange conserves
-the record count per time (DESIGN.md section 2.9).
+the record count per time (ARCHITECTURE.md section 2.9).
 """
 from __future__ import annotations
 

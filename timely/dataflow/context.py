@@ -96,7 +96,7 @@ class Context:
     def __init__(self, index: int, peers: int) -> None:
         self.index = index
         self.peers = peers
-        # Invariant (DESIGN 2.2): every change of one step goes into this one batch, which is sent
+        # Invariant (ARCHITECTURE 2.2): every change of one step goes into this one batch, which is sent
         # whole; it is never split between progress messages.
         self.progress = ChangeBatch()
         self.activations = Activations()

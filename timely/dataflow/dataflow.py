@@ -105,7 +105,7 @@ class Dataflow:
             [(op.name, len(op.inputs), len(op.outputs)) for op in self.operators] + [(s, t, p) for s, t, p in self.edges]
         )
         self.digest = int.from_bytes(hashlib.blake2b(shape.encode(), digest_size=8).digest(), "big")
-        # Invariant (DESIGN 2.4): every output starts with `peers` capabilities at the minimum time,
+        # Invariant (ARCHITECTURE 2.4): every output starts with `peers` capabilities at the minimum time,
         # known to every worker without any exchange. Applied locally, never broadcast.
         for op in self.operators:
             for out in op.outputs:
@@ -172,7 +172,7 @@ class Dataflow:
                     f"dataflow '{self.name}': worker {sender} built a different dataflow than worker "
                     f"{self.index}; every worker must create the same operators in the same order"
                 )
-            # Invariant (DESIGN 2.3): each worker's batches arrive whole, in order, exactly once.
+            # Invariant (ARCHITECTURE 2.3): each worker's batches arrive whole, in order, exactly once.
             if seq != self._received[sender]:
                 raise ProgressOrderError(
                     f"dataflow '{self.name}': worker {self.index} received progress message {seq} from worker "

@@ -1,6 +1,6 @@
 """Progress tracking: timestamps, antichains, change batches and the reachability tracker.
 
-Pure computation: no I/O, no data records. See DESIGN.md section 2 for the invariants.
+Pure computation: no I/O, no data records. See ARCHITECTURE.md section 2 for the invariants.
 """
 from .change_batch import ChangeBatch
 from .frontier import Antichain, MutableAntichain
