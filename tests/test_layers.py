@@ -74,7 +74,7 @@ LAYERS = {
 }
 # Within timely.dataflow: a module imports only modules of a lower rank.
 DATAFLOW_RANK = {
-    "context": 1, "capability": 1, "channels": 1, "operator": 2, "handles": 3, "input": 3, "keyed": 4,
+    "fuzz": 0, "context": 1, "capability": 1, "channels": 1, "operator": 2, "handles": 3, "input": 3, "keyed": 4,
     "builder": 4, "scope": 5, "dataflow": 5, "__init__": 6,
 }
 

@@ -64,7 +64,7 @@ __all__ = [
 
 
 def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str] | None = None, *,
-            timeout: float | None = None, start: str = "fork") -> list[Any]:
+            timeout: float | None = None, start: str = "fork", fuzz: int | None = None) -> list[Any]:
     """Run ``main(worker)`` on ``workers`` workers; return each worker's result, by index.
 
     Workers are processes exchanging data over ZeroMQ, started by ``start``: ``"fork"`` (the
@@ -79,13 +79,15 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
     left open are closed and the worker runs its dataflows to completion. A failed worker raises
     :class:`WorkerError` (:class:`WorkerOperatorError` for an operator's error) after the others
     are stopped; ``workers < 1``, an unknown ``start`` or a ``timeout`` that is not positive raise
-    :class:`ValueError`.
+    :class:`ValueError`. ``fuzz=SEED`` runs every worker under the schedule fuzzer
+    (:mod:`timely.dataflow.fuzz`): batches are split, reordered and delayed, and operators scheduled
+    spuriously, as timely allows; a failure on one worker reproduces with the same seed.
     """
     if workers == 1 and start == "fork" and timeout is None:
         alloc = ThreadAllocator()
         try:
             with batch_gc():
-                worker = Worker(alloc, args or [])
+                worker = Worker(alloc, args or [], fuzz)
                 result = main(worker)
                 worker.finish()
             return [result]
@@ -93,4 +95,4 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
             alloc.close()
     from .cluster import execute_cluster  # validates workers, timeout and start
 
-    return execute_cluster(main, workers, args or [], timeout=timeout, start=start)
+    return execute_cluster(main, workers, args or [], timeout=timeout, start=start, fuzz=fuzz)

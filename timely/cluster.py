@@ -365,10 +365,11 @@ def primary_failure(outcomes: list[Outcome]) -> Outcome:
 
 
 def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: list[str], token: str,
-               args: Sequence[str], report: Callable[[Any], None], **options: Any) -> None:
+               args: Sequence[str], report: Callable[[Any], None], fuzz: int | None = None, **options: Any) -> None:
     """The per-process run sequence: allocator -> ``Worker`` -> ``main`` -> ``finish`` -> report -> close.
 
-    On failure the allocator is closed with ``abort`` so the peers learn at once which worker failed.
+    ``fuzz`` seeds the worker's schedule fuzzer (``None``: none). On failure the allocator is closed
+    with ``abort`` so the peers learn at once which worker failed.
     """
     from .collector import batch_gc
     from .comm.zmq_allocator import ZmqAllocator
@@ -381,7 +382,7 @@ def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: li
     gc.freeze()
     try:
         with batch_gc():
-            worker = Worker(alloc, list(args))
+            worker = Worker(alloc, list(args), fuzz)
             result = main(worker)
             worker.finish()
         report(result)
@@ -416,12 +417,13 @@ def local_endpoints(workers: int, transport: str, base_port: int | None = None) 
 
 def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str] | None = None, *,
                     transport: str = "ipc", timeout: float | None = None, grace: float = STOP_GRACE,
-                    start: str = "fork", **options: Any) -> list[Any]:
+                    start: str = "fork", fuzz: int | None = None, **options: Any) -> list[Any]:
     """Run ``main(worker)`` in ``workers`` processes on this host; return each result by index.
 
     Results must be picklable. ``transport`` is ``"ipc"`` (Unix sockets in a private temporary
     directory) or ``"tcp"`` (free ports on 127.0.0.1). ``timeout`` and ``start`` are
-    :func:`supervise`'s (with ``start="spawn"``, ``main`` must be picklable). ``options`` go to the
+    :func:`supervise`'s (with ``start="spawn"``, ``main`` must be picklable); ``fuzz`` seeds every
+    worker's schedule fuzzer (:mod:`timely.dataflow.fuzz`). ``options`` go to the
     :class:`~timely.comm.zmq_allocator.ZmqAllocator`. Raises :class:`WorkerError` naming the first
     worker that failed (with its traceback text) after stopping the others.
     """
@@ -431,7 +433,7 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
         _require_picklable(main, "main")
     token = secrets.token_hex(16)
     with local_endpoints(workers, transport) as endpoints:
-        entry = functools.partial(_cluster_worker, main, workers, endpoints, token, list(args or []), options)
+        entry = functools.partial(_cluster_worker, main, workers, endpoints, token, list(args or []), fuzz, options)
         outcomes = supervise(entry, range(workers), grace=grace, timeout=timeout, start=start)
     if any(o.failed for o in outcomes):
         raise failure_error(outcomes)
@@ -439,9 +441,9 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
 
 
 def _cluster_worker(main: Callable[[Any], Any], peers: int, endpoints: list[str], token: str, args: list[str],
-                    options: dict[str, Any], index: int, report: Callable[[Any], None]) -> None:
+                    fuzz: int | None, options: dict[str, Any], index: int, report: Callable[[Any], None]) -> None:
     """An :func:`execute_cluster` worker (at module level: ``start="spawn"`` pickles it by name)."""
-    run_worker(main, index, peers, endpoints, token, args, report, **options)
+    run_worker(main, index, peers, endpoints, token, args, report, fuzz, **options)
 
 
 def failure_error(outcomes: list[Outcome]) -> WorkerError:

@@ -132,6 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=30.0, metavar="S",
                    help="seconds to wait for all workers to connect (default 30)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="stop the job after S seconds")
+    p.add_argument("--fuzz", type=int, default=None, metavar="SEED",
+                   help="run under the schedule fuzzer seeded by SEED (batches split, reordered, delayed)")
     p.add_argument("job", help="the job file: a Python file defining main(worker)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the job (worker.args)")
     return p
@@ -218,7 +220,7 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
         if not callable(job_main):
             raise TypeError(f"{job}: main is not a function")
         run_worker(job_main, index, peers, endpoints, token, job_args, lambda _result: report(None),
-                   bind=bind.get(index), **alloc_options)
+                   opts.fuzz, bind=bind.get(index), **alloc_options)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise _Terminated()

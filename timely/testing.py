@@ -48,14 +48,16 @@ def _sorted(records: list) -> list:
 
 
 def run_epochs(build: Callable[[Stream], Stream], epochs: Sequence[Iterable[Any]], workers: int = 1,
-               timeout: float = DEFAULT_TIMEOUT) -> list[tuple[Any, list]]:
+               timeout: float = DEFAULT_TIMEOUT, fuzz: int | None = None) -> list[tuple[Any, list]]:
     """Feed ``epochs[e]`` at epoch ``e`` into ``build(stream)`` on ``workers`` workers; return the
     output as ``[(time, sorted records), ...]`` in time order, merged over all workers.
 
     The records of each epoch are dealt round-robin to the workers (worker ``i`` sends records
     ``i, i + workers, ...``). Output records are normalised (lists become tuples). Raises
     :class:`TimeoutError` if the dataflow has not completed ``timeout`` seconds after the last
-    epoch was closed, and the worker's error if the dataflow fails.
+    epoch was closed, and the worker's error if the dataflow fails. ``fuzz=SEED`` runs it under
+    the schedule fuzzer (see :func:`timely.execute`): an operator that is correct only for some
+    orders of delivery fails for some seed.
     """
     batches = [list(records) for records in epochs]
 
@@ -75,7 +77,7 @@ def run_epochs(build: Callable[[Stream], Stream], epochs: Sequence[Iterable[Any]
         return captured.batches
 
     by_time: dict[Any, list] = defaultdict(list)
-    for result in execute(main, workers=workers):
+    for result in execute(main, workers=workers, fuzz=fuzz):
         for time, records in result:
             by_time[normalize(time)].extend(normalize(r) for r in records)
     return [(t, _sorted(by_time[t])) for t in sorted(by_time)]

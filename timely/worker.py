@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from .comm.allocator import Allocator
 from .dataflow.dataflow import Dataflow
+from .dataflow.fuzz import Fuzzer
 from .dataflow.input import InputHandle
 from .dataflow.scope import Scope
 from .errors import BuildError
@@ -19,7 +20,7 @@ class Worker:
     :meth:`step` / :meth:`step_while`. Every worker must build the same dataflows in the same order.
     """
 
-    def __init__(self, allocator: Allocator, args: Sequence[str] = ()) -> None:
+    def __init__(self, allocator: Allocator, args: Sequence[str] = (), fuzz: int | None = None) -> None:
         self.allocator = allocator
         self.index: int = allocator.index
         self.peers: int = allocator.peers
@@ -28,6 +29,8 @@ class Worker:
         self._dataflows: list[Dataflow] = []
         self._building: Dataflow | None = None
         self._open_inputs: list[InputHandle] = []
+        self.fuzz = fuzz  # seed of the schedule fuzzer (timely.dataflow.fuzz); None: no fuzzing
+        self._built = 0  # dataflows built so far (each fuzzes with its own generator)
 
     # -- construction ------------------------------------------------------------------------
     def new_channel(self) -> int:
@@ -49,7 +52,9 @@ class Worker:
         """Build a dataflow in the ``with`` block; it starts running when the block ends."""
         if self._building is not None:
             raise BuildError("dataflows cannot be nested; use scope.iterative() for nested scopes")
-        df = Dataflow(self, name or f"dataflow {len(self._dataflows)}")
+        fuzzer = None if self.fuzz is None else Fuzzer(self.fuzz, self.index, self._built)
+        df = Dataflow(self, name or f"dataflow {self._built}", fuzzer)
+        self._built += 1
         self._building = df
         try:
             yield Scope(df)

@@ -9,8 +9,12 @@ from __future__ import annotations
 import heapq
 import time as _time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ..progress.change_batch import ChangeBatch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .fuzz import Fuzzer
 
 
 class Activations:
@@ -89,13 +93,14 @@ class Activator:
 
 class Context:
     """One dataflow's shared state for its operators: worker ``index`` of ``peers``, the progress
-    batch of the current step, and the activations."""
+    batch of the current step, the activations, and the schedule fuzzer (``None`` unless fuzzing)."""
 
-    __slots__ = ("index", "peers", "progress", "activations")
+    __slots__ = ("index", "peers", "progress", "activations", "fuzzer")
 
-    def __init__(self, index: int, peers: int) -> None:
+    def __init__(self, index: int, peers: int, fuzzer: Fuzzer | None = None) -> None:
         self.index = index
         self.peers = peers
+        self.fuzzer = fuzzer
         # Invariant (ARCHITECTURE 2.2): every change of one step goes into this one batch, which is sent
         # whole; it is never split between progress messages.
         self.progress = ChangeBatch()

@@ -15,6 +15,7 @@ from ..progress.reachability import Builder, Location, Source, Target, Tracker
 from ..progress.timestamp import minimum
 from .channels import Pact
 from .context import Context
+from .fuzz import Fuzzer
 from .operator import InputPort, OperatorCore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -25,12 +26,13 @@ if TYPE_CHECKING:  # pragma: no cover
 class Dataflow:
     """One dataflow instance on one worker."""
 
-    def __init__(self, worker: Worker, name: str) -> None:
+    def __init__(self, worker: Worker, name: str, fuzzer: Fuzzer | None = None) -> None:
         self.worker = worker
         self.name = name
         self.index = worker.index
         self.peers = worker.peers
-        self.ctx = Context(worker.index, worker.peers)
+        self.ctx = Context(worker.index, worker.peers, fuzzer)
+        self.fuzzer = fuzzer
         self.progress = self.ctx.progress
         self.operators: list[OperatorCore] = []
         self.edges: list[tuple[Location, Location, str]] = []
@@ -113,6 +115,8 @@ class Dataflow:
             for inp in op.inputs:
                 inp.install(tracker.implications[Target(op.index, inp.port)])
         tracker.propagate_all()
+        if self.fuzzer is not None:
+            self.fuzzer.operators = len(self.operators)
         for op in self.operators:
             if op.frontier_interest or op.inputs and any(p.queue for p in op.inputs):
                 op.activate()
@@ -149,6 +153,8 @@ class Dataflow:
                 while msg is not None:
                     port.deliver(msg[0], msg[1])  # queues the batch and activates the operator
                     msg = puller.pull()
+        if self.fuzzer is not None:
+            self.fuzzer.step(activations.activate)
         for i in activations.run_order():
             did = True
             operators[i].schedule()
@@ -184,7 +190,8 @@ class Dataflow:
 
     def busy(self) -> bool:
         """True when operators are waiting to run or progress is waiting to be sent."""
-        return bool(self.ctx.activations.active) or not self.progress.is_empty()
+        return (bool(self.ctx.activations.active) or not self.progress.is_empty()
+                or self.fuzzer is not None and self.fuzzer.holding())
 
     def complete(self) -> bool:
         """True when no pointstamp remains anywhere: nothing can happen in this dataflow any more."""

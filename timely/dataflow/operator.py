@@ -27,13 +27,14 @@ class Flushable(Protocol):
 class InputPort:
     """The receiving end of one operator input on this worker: a queue of ``(time, batch)``."""
 
-    __slots__ = ("op", "port", "queue", "levels", "frontier", "_antichains")
+    __slots__ = ("op", "port", "queue", "levels", "frontier", "_antichains", "_fuzzer")
 
     def __init__(self, op: OperatorCore, port: int, levels: int) -> None:
         self.op = op
         self.port = port
         self.levels = levels
         self.queue: deque[tuple[Any, Sequence]] = deque()
+        self._fuzzer = op.ctx.fuzzer
         # The view is created once and stays valid: install() swaps the antichain behind it.
         self._antichains = [MutableAntichain()]
         self.frontier = Frontier(self._antichains)
@@ -48,9 +49,13 @@ class InputPort:
         self._antichains[0] = antichain
 
     def deliver(self, time: Any, batch: Sequence) -> None:
-        """Queue a received batch and activate the operator."""
-        self.queue.append((time, batch))
-        self.op.activate()
+        """Queue a received batch and activate the operator (when fuzzing: hand it to the fuzzer,
+        which queues it at a later step)."""
+        if self._fuzzer is None:
+            self.queue.append((time, batch))
+            self.op.activate()
+        else:
+            self._fuzzer.hold(self, time, batch)
 
 
 class OutputPort:

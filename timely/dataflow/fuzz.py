@@ -1,0 +1,78 @@
+"""Schedule fuzzing: a seeded adversary that delivers data in orders timely allows but rarely shows.
+
+Timely promises an operator nothing about the order in which the batches at an input arrive (on
+several workers each peer's part of an exchange can come first), nor about how records are cut into
+batches, nor that it is scheduled only when there is work. An operator correct on one schedule may be
+wrong on another. With ``fuzz=SEED`` (``timely.execute``, ``Worker``, ``python -m timely.launch
+--fuzz``), every batch delivered to an operator input passes through a :class:`Fuzzer`, which
+
+* holds it back for one or more steps (records in flight: the frontier cannot pass their time),
+* splits it at a random point into two batches,
+* releases what it holds in random order (across times too),
+* and schedules random operators with nothing to do.
+
+It never drops, duplicates or invents records, and it never touches progress: a held batch stays
+counted at its input (ARCHITECTURE 2.1), so no frontier passes its time before it is delivered. The
+decisions come from one random generator per worker and dataflow, seeded by ``(seed, worker,
+dataflow)``: on one worker a failing seed reproduces the failure exactly; on several, the arrival
+order of the network adds its own variation.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+#: Probability that a held batch stays held for another step.
+DELAY = 0.35
+#: Probability that a released batch of two or more records is split in two (the rest held again).
+SPLIT = 0.35
+#: Probability, per step, of scheduling one random operator.
+SPURIOUS = 0.25
+
+
+class Port(Protocol):
+    """An operator input as the fuzzer sees it: a queue of ``(time, batch)`` and its operator."""
+
+    queue: Any
+    op: Any
+
+
+class Fuzzer:
+    """Holds the batches delivered to one dataflow's inputs and releases them in a seeded order."""
+
+    __slots__ = ("rng", "held", "operators")
+
+    def __init__(self, seed: int, worker: int, dataflow: int) -> None:
+        self.rng = random.Random(f"timely-fuzz:{seed}:{worker}:{dataflow}")
+        self.held: list[tuple[Port, Any, Sequence]] = []
+        self.operators = 0  # how many operators the dataflow has (set when it is built)
+
+    def hold(self, port: Port, time: Any, batch: Sequence) -> None:
+        """Take a batch delivered to ``port`` at ``time``; it reaches the operator at a later step."""
+        self.held.append((port, time, batch))
+
+    def holding(self) -> bool:
+        """True while some batch waits to be delivered."""
+        return bool(self.held)
+
+    def step(self, activate: Any) -> None:
+        """Deliver some held batches (some split) in random order, keep the others; maybe schedule
+        a random operator through ``activate(index)``."""
+        rng = self.rng
+        if self.operators and rng.random() < SPURIOUS:
+            activate(rng.randrange(self.operators))
+        if not self.held:
+            return
+        held, self.held = self.held, []
+        rng.shuffle(held)
+        for port, time, batch in held:
+            if rng.random() < DELAY:
+                self.held.append((port, time, batch))
+                continue
+            if len(batch) > 1 and rng.random() < SPLIT:
+                cut = rng.randrange(1, len(batch))
+                self.held.append((port, time, batch[cut:]))
+                batch = batch[:cut]
+            port.queue.append((time, batch))
+            port.op.activate()
