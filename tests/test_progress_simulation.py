@@ -148,6 +148,9 @@ class SimAllocator:
     def await_events(self, timeout: float | None) -> None:
         pass
 
+    def finished(self) -> frozenset:
+        return frozenset()
+
     def close(self) -> None:
         pass
 

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import contextlib
 import time as _time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Set
 
 from .comm.allocator import Allocator
 from .dataflow.dataflow import Dataflow
 from .dataflow.fuzz import Fuzzer
 from .dataflow.input import InputHandle
 from .dataflow.scope import Scope
-from .errors import BuildError
+from .errors import BuildError, ProgressMismatchError
 
 
 class Worker:
@@ -71,6 +71,9 @@ class Worker:
     def step_or_park(self, timeout: float | None) -> bool:
         """Do one round of work; if there was none, wait up to ``timeout`` seconds for messages."""
         alloc = self.allocator
+        # Peers that finished before this step's receive: all they sent is in the pullers, and
+        # the steps below read it (the progress channels completely).
+        finished = alloc.finished()
         alloc.receive()
         events = alloc.events()  # the channels that received messages: only their pullers are read
         did = False
@@ -80,11 +83,24 @@ class Worker:
         if any(df.complete() for df in self._dataflows):
             self._dataflows = [df for df in self._dataflows if not df.complete()]
         if not did and timeout != 0 and not any(df.busy() for df in self._dataflows):
+            if finished:
+                self._check_built(finished)
             timers = [t for t in (df.next_timer() for df in self._dataflows) if t is not None]
             if timers:
                 timeout = min(timers) if timeout is None else min(timeout, *timers)
             alloc.await_events(timeout)
         return bool(self._dataflows)
+
+    def _check_built(self, finished: Set[int]) -> None:
+        """Raise :class:`ProgressMismatchError` if a finished worker never built one of our dataflows
+        (it would wait forever for that worker's share of the initial capabilities)."""
+        for df in self._dataflows:
+            missing = df.never_built_by(finished)
+            if missing:
+                raise ProgressMismatchError(
+                    f"dataflow '{df.name}': worker {missing[0]} finished without building it, so it can never "
+                    f"complete on worker {self.index}; every worker must build the same dataflows in the same order"
+                )
 
     def step_while(self, condition: Callable[[], bool], timeout: float | None = None) -> None:
         """Step until ``condition()`` is false (parking when idle). ``timeout`` seconds: raise

@@ -15,6 +15,7 @@ Contract every allocator keeps (the progress protocol relies on it, ARCHITECTURE
 from __future__ import annotations
 
 import time
+from collections.abc import Set
 from typing import Any, Protocol
 
 from .mailbox import LocalPuller, LoopbackPusher, Mailbox
@@ -67,6 +68,10 @@ class Allocator(Protocol):
     def await_events(self, timeout: float | None) -> None:
         """Block until a message arrives or ``timeout`` seconds pass (``None``: no limit)."""
 
+    def finished(self) -> Set[int]:
+        """The workers that said goodbye: they finished, and every message they sent has been
+        received (into its puller) by the time they appear here."""
+
     def close(self) -> None:
         """Release sockets and resources; the allocator cannot be used afterwards."""
 
@@ -98,6 +103,10 @@ class ThreadAllocator:
         """Sleep briefly: a single worker only receives from itself, so nothing can arrive."""
         if timeout:
             time.sleep(min(timeout, 0.01))
+
+    def finished(self) -> Set[int]:
+        """No other worker: none finished."""
+        return frozenset()
 
     def close(self) -> None:
         """Drop every queue."""

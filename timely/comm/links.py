@@ -51,6 +51,7 @@ class Links:
         self._dealers: dict[zmq.Socket, Peer] = {}
         self._backlogged: set[Peer] = set()
         self._suspects: list[Peer] = []
+        self.finished: set[int] = set()  # peers that said GOODBYE (after all their data)
         self._rejections: list[str] = []
         self._failure: CommError | None = None
         self._next_watch = 0.0
@@ -270,6 +271,7 @@ class Links:
                     peer.lost_deadline = time.monotonic() + self._tuning.goodbye_grace
             elif kind == _GOODBYE:
                 peer.goodbye = True
+                self.finished.add(peer.index)
                 self._drop_backlog(peer)
                 # It waits for this before closing its sockets: it has delivered everything to us.
                 self._router_send(rid, Kind.ACK, encode(None))

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from typing import Any
 
 from .allocator import Puller, Pusher
@@ -157,6 +157,10 @@ class ZmqAllocator:
                 return
         if not self._mailbox.events and timeout:
             time.sleep(min(timeout, 0.01))
+
+    def finished(self) -> Set[int]:
+        """The workers that said goodbye (their data, delivered before it, is in the pullers)."""
+        return frozenset() if self._links is None else self._links.finished
 
     def close(self, abort: str | None = None) -> None:
         """Say goodbye and release the sockets.

@@ -188,6 +188,17 @@ class Dataflow:
             tracker.update_batch(((Location(n, p, s), t), d) for n, p, s, t, d in updates)
         return bool(messages)
 
+    def never_built_by(self, finished: Iterable[int]) -> list[int]:
+        """Of the ``finished`` workers, those that sent no progress for this incomplete dataflow.
+
+        Every worker that builds a dataflow with operators sends progress for it (it drops its
+        share of the initial capabilities, ARCHITECTURE 2.4), so a worker that finished without
+        a word never built it: this dataflow can never complete.
+        """
+        if self.complete() or not self.operators:
+            return []
+        return sorted(p for p in finished if p != self.index and self._received[p] == 0)
+
     def busy(self) -> bool:
         """True when operators are waiting to run or progress is waiting to be sent."""
         return (bool(self.ctx.activations.active) or not self.progress.is_empty()

@@ -1,0 +1,70 @@
+"""Workers that build different dataflows get a loud error, never a hang (ARCHITECTURE 2.8)."""
+from __future__ import annotations
+
+import pytest
+
+import timely
+
+TIMEOUT = 60  # a hang would be the bug: the run is bounded and raises TimeoutError instead
+
+
+def shared(worker):
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        probe = inp.stream.map(lambda x: x + 1).exchange().probe()
+    inp.send_batch(list(range(10)))
+    inp.close()
+    worker.step_while(lambda: not probe.done(), timeout=TIMEOUT)
+
+
+def extra_dataflow_on(extra: int):
+    def main(worker):
+        shared(worker)
+        if worker.index == extra:
+            with worker.dataflow() as scope:
+                inp = scope.new_input()
+                inp.stream.map(lambda x: x).probe()
+            inp.close()
+        worker.finish()
+        return worker.index
+
+    return main
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_worker_with_one_more_dataflow_raises_instead_of_idling(extra):
+    with pytest.raises(timely.WorkerError) as ei:
+        timely.execute(extra_dataflow_on(extra), workers=2, timeout=TIMEOUT)
+    message = str(ei.value)
+    assert "ProgressMismatchError" in message and f"worker {1 - extra} finished without building it" in message
+
+
+@pytest.mark.timeout(120)
+def test_workers_with_the_same_dataflows_finish():
+    def main(worker):
+        shared(worker)
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            probe = inp.stream.map(lambda x: x).probe()
+        inp.close()
+        worker.step_while(lambda: not probe.done(), timeout=TIMEOUT)
+        worker.finish()
+        return worker.index
+
+    assert timely.execute(main, workers=3, timeout=TIMEOUT) == [0, 1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_with_another_operator_is_a_mismatch():
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            stream = inp.stream.map(lambda x: x) if worker.index == 0 else inp.stream
+            stream.exchange().probe()
+        inp.send_batch([1, 2, 3])
+        worker.finish()
+
+    with pytest.raises(timely.WorkerError) as ei:
+        timely.execute(main, workers=2, timeout=TIMEOUT)
+    assert "Mismatch" in str(ei.value) or "different dataflow" in str(ei.value)
