@@ -37,6 +37,7 @@ from .errors import (
     CapabilityError,
     InputError,
     OperatorError,
+    OperatorStuckError,
     ProgressMismatchError,
     ProgressOrderError,
     TimelyError,
@@ -57,14 +58,16 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Activator", "Broadcast", "BuildError", "Capability", "CapabilityError", "Captured", "Distribute", "Exchange",
     "Frontier", "InputCapability", "InputError", "InputHandle", "Notificator", "OperatorBuilder", "OperatorError",
-    "OperatorInfo", "OperatorInput", "OperatorOutput", "Pact", "Pipeline", "ProbeHandle", "ProgressMismatchError",
+    "OperatorInfo", "OperatorInput", "OperatorOutput", "OperatorStuckError", "Pact", "Pipeline", "ProbeHandle",
+    "ProgressMismatchError",
     "ProgressOrderError", "Scope", "Stream", "Summary", "TimelyError", "Worker", "WorkerError", "WorkerOperatorError",
     "batch_gc", "errors", "execute", "routing",
 ]
 
 
 def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str] | None = None, *,
-            timeout: float | None = None, start: str = "fork", fuzz: int | None = None) -> list[Any]:
+            timeout: float | None = None, start: str = "fork", fuzz: int | None = None,
+            watchdog: float | None = None) -> list[Any]:
     """Run ``main(worker)`` on ``workers`` workers; return each worker's result, by index.
 
     Workers are processes exchanging data over ZeroMQ, started by ``start``: ``"fork"`` (the
@@ -82,17 +85,22 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
     :class:`ValueError`. ``fuzz=SEED`` runs every worker under the schedule fuzzer
     (:mod:`timely.dataflow.fuzz`): batches are split, reordered and delayed, and operators scheduled
     spuriously, as timely allows; a failure on one worker reproduces with the same seed.
+    ``watchdog=S`` ends the run with :class:`~timely.errors.OperatorStuckError` (the operator, the
+    worker and its stack) when one operator invocation lasts longer than ``S`` seconds.
     """
     if workers == 1 and start == "fork" and timeout is None:
         alloc = ThreadAllocator()
         try:
-            with batch_gc():
-                worker = Worker(alloc, args or [], fuzz)
-                result = main(worker)
-                worker.finish()
+            worker = Worker(alloc, args or [], fuzz, watchdog)
+            try:
+                with batch_gc():
+                    result = main(worker)
+                    worker.finish()
+            finally:
+                worker.close()
             return [result]
         finally:
             alloc.close()
     from .cluster import execute_cluster  # validates workers, timeout and start
 
-    return execute_cluster(main, workers, args or [], timeout=timeout, start=start, fuzz=fuzz)
+    return execute_cluster(main, workers, args or [], timeout=timeout, start=start, fuzz=fuzz, watchdog=watchdog)

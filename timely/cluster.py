@@ -365,10 +365,12 @@ def primary_failure(outcomes: list[Outcome]) -> Outcome:
 
 
 def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: list[str], token: str,
-               args: Sequence[str], report: Callable[[Any], None], fuzz: int | None = None, **options: Any) -> None:
+               args: Sequence[str], report: Callable[[Any], None], fuzz: int | None = None,
+               watchdog: float | None = None, watchdog_warn: bool = False, **options: Any) -> None:
     """The per-process run sequence: allocator -> ``Worker`` -> ``main`` -> ``finish`` -> report -> close.
 
-    ``fuzz`` seeds the worker's schedule fuzzer (``None``: none). On failure the allocator is closed
+    ``fuzz`` seeds the worker's schedule fuzzer (``None``: none); ``watchdog`` (seconds) and
+    ``watchdog_warn`` configure its stuck-operator watchdog. On failure the allocator is closed
     with ``abort`` so the peers learn at once which worker failed.
     """
     from .collector import batch_gc
@@ -381,10 +383,13 @@ def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: li
     gc.collect()
     gc.freeze()
     try:
-        with batch_gc():
-            worker = Worker(alloc, list(args), fuzz)
-            result = main(worker)
-            worker.finish()
+        worker = Worker(alloc, list(args), fuzz, watchdog, watchdog_warn)
+        try:
+            with batch_gc():
+                result = main(worker)
+                worker.finish()
+        finally:
+            worker.close()
         report(result)
     except BaseException as exc:
         reason = "stopped" if isinstance(exc, _Stopped) else f"{type(exc).__name__}: {exc}"
@@ -417,13 +422,15 @@ def local_endpoints(workers: int, transport: str, base_port: int | None = None) 
 
 def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str] | None = None, *,
                     transport: str = "ipc", timeout: float | None = None, grace: float = STOP_GRACE,
-                    start: str = "fork", fuzz: int | None = None, **options: Any) -> list[Any]:
+                    start: str = "fork", fuzz: int | None = None, watchdog: float | None = None,
+                    **options: Any) -> list[Any]:
     """Run ``main(worker)`` in ``workers`` processes on this host; return each result by index.
 
     Results must be picklable. ``transport`` is ``"ipc"`` (Unix sockets in a private temporary
     directory) or ``"tcp"`` (free ports on 127.0.0.1). ``timeout`` and ``start`` are
     :func:`supervise`'s (with ``start="spawn"``, ``main`` must be picklable); ``fuzz`` seeds every
-    worker's schedule fuzzer (:mod:`timely.dataflow.fuzz`). ``options`` go to the
+    worker's schedule fuzzer (:mod:`timely.dataflow.fuzz`); ``watchdog`` is every worker's
+    stuck-operator limit in seconds (:mod:`timely.watchdog`). ``options`` go to the
     :class:`~timely.comm.zmq_allocator.ZmqAllocator`. Raises :class:`WorkerError` naming the first
     worker that failed (with its traceback text) after stopping the others.
     """
@@ -433,7 +440,8 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
         _require_picklable(main, "main")
     token = secrets.token_hex(16)
     with local_endpoints(workers, transport) as endpoints:
-        entry = functools.partial(_cluster_worker, main, workers, endpoints, token, list(args or []), fuzz, options)
+        entry = functools.partial(_cluster_worker, main, workers, endpoints, token, list(args or []), fuzz, watchdog,
+                                  options)
         outcomes = supervise(entry, range(workers), grace=grace, timeout=timeout, start=start)
     if any(o.failed for o in outcomes):
         raise failure_error(outcomes)
@@ -441,9 +449,10 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
 
 
 def _cluster_worker(main: Callable[[Any], Any], peers: int, endpoints: list[str], token: str, args: list[str],
-                    fuzz: int | None, options: dict[str, Any], index: int, report: Callable[[Any], None]) -> None:
+                    fuzz: int | None, watchdog: float | None, options: dict[str, Any], index: int,
+                    report: Callable[[Any], None]) -> None:
     """An :func:`execute_cluster` worker (at module level: ``start="spawn"`` pickles it by name)."""
-    run_worker(main, index, peers, endpoints, token, args, report, fuzz, **options)
+    run_worker(main, index, peers, endpoints, token, args, report, fuzz, watchdog, **options)
 
 
 def failure_error(outcomes: list[Outcome]) -> WorkerError:

@@ -49,3 +49,18 @@ class OperatorError(TimelyError, RuntimeError):
         self.cause = cause
         tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
         super().__init__(f"worker {worker}: operator '{operator}' failed: {cause!r}\n{tb}")
+
+
+class OperatorStuckError(OperatorError):
+    """An operator invocation ran longer than the watchdog's limit (``timely.watchdog``)."""
+
+    def __init__(self, operator: str, worker: int, seconds: float, limit: float, stack: str) -> None:
+        self.operator = operator
+        self.worker = worker
+        self.seconds = seconds
+        self.limit = limit
+        self.stack = stack
+        self.cause = TimeoutError(f"operator '{operator}' ran for {seconds:.1f} s in one invocation")
+        RuntimeError.__init__(
+            self, f"worker {worker}: operator '{operator}' ran for {seconds:.1f} s in one invocation, past the "
+                  f"watchdog limit of {limit:g} s; its stack:\n{stack}")

@@ -132,6 +132,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=30.0, metavar="S",
                    help="seconds to wait for all workers to connect (default 30)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="stop the job after S seconds")
+    p.add_argument("--watchdog", type=float, default=None, metavar="S",
+                   help="end the job when one operator invocation lasts longer than S seconds, naming it "
+                        "and printing the worker's stack")
+    p.add_argument("--watchdog-warn", action="store_true",
+                   help="with --watchdog: only print the report, let the job go on")
     p.add_argument("--fuzz", type=int, default=None, metavar="SEED",
                    help="run under the schedule fuzzer seeded by SEED (batches split, reordered, delayed)")
     p.add_argument("job", help="the job file: a Python file defining main(worker)")
@@ -168,6 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"-w must be at least 1, not {opts.workers}")
         if opts.timeout is not None and not opts.timeout > 0:
             raise _UsageError(f"--timeout must be a positive number of seconds, not {opts.timeout:g}")
+        if opts.watchdog is not None and not opts.watchdog > 0:
+            raise _UsageError(f"--watchdog must be a positive number of seconds, not {opts.watchdog:g}")
+        if opts.watchdog_warn and opts.watchdog is None:
+            raise _UsageError("--watchdog-warn needs --watchdog S")
         check_job(opts.job)
         with contextlib.ExitStack() as cleanup:
             endpoints, bind, token = _addresses(opts, cleanup)
@@ -220,7 +229,7 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
         if not callable(job_main):
             raise TypeError(f"{job}: main is not a function")
         run_worker(job_main, index, peers, endpoints, token, job_args, lambda _result: report(None),
-                   opts.fuzz, bind=bind.get(index), **alloc_options)
+                   opts.fuzz, opts.watchdog, opts.watchdog_warn, bind=bind.get(index), **alloc_options)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise _Terminated()

@@ -11,6 +11,7 @@ from .dataflow.fuzz import Fuzzer
 from .dataflow.input import InputHandle
 from .dataflow.scope import Scope
 from .errors import BuildError, ProgressMismatchError
+from .watchdog import Watchdog
 
 
 class Worker:
@@ -20,7 +21,8 @@ class Worker:
     :meth:`step` / :meth:`step_while`. Every worker must build the same dataflows in the same order.
     """
 
-    def __init__(self, allocator: Allocator, args: Sequence[str] = (), fuzz: int | None = None) -> None:
+    def __init__(self, allocator: Allocator, args: Sequence[str] = (), fuzz: int | None = None,
+                 watchdog: float | None = None, watchdog_warn: bool = False) -> None:
         self.allocator = allocator
         self.index: int = allocator.index
         self.peers: int = allocator.peers
@@ -31,6 +33,11 @@ class Worker:
         self._open_inputs: list[InputHandle] = []
         self.fuzz = fuzz  # seed of the schedule fuzzer (timely.dataflow.fuzz); None: no fuzzing
         self._built = 0  # dataflows built so far (each fuzzes with its own generator)
+        # The stuck-operator watchdog (timely.watchdog): started here, stopped by close().
+        self.watchdog: Watchdog | None = None
+        if watchdog is not None:
+            self.watchdog = Watchdog(watchdog, self.index, watchdog_warn)
+            self.watchdog.start()
 
     # -- construction ------------------------------------------------------------------------
     def new_channel(self) -> int:
@@ -114,6 +121,12 @@ class Worker:
     def has_dataflows(self) -> bool:
         """True while some dataflow has not completed."""
         return bool(self._dataflows)
+
+    def close(self) -> None:
+        """Release what the worker holds outside its dataflows (the watchdog's thread); idempotent."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
 
     def finish(self) -> None:
         """Close every input still open and step until all dataflows have completed."""

@@ -155,9 +155,17 @@ class Dataflow:
                     msg = puller.pull()
         if self.fuzzer is not None:
             self.fuzzer.step(activations.activate)
+        watchdog = self.worker.watchdog
         for i in activations.run_order():
             did = True
-            operators[i].schedule()
+            if watchdog is None:
+                operators[i].schedule()
+            else:
+                watchdog.enter(operators[i].name)
+                try:
+                    operators[i].schedule()
+                finally:
+                    watchdog.leave()
         if not self.progress.is_empty():
             did = True
             updates = [(loc.node, loc.port, loc.source, t, d) for (loc, t), d in self.progress.drain()]

@@ -1,0 +1,93 @@
+"""The stuck-operator watchdog: a worker inside one operator invocation for too long is reported.
+
+An operator that blocks (a ``time.sleep``, a lock never released, a network call without a
+timeout, an endless loop) stops its worker, and with it every worker waiting for its progress; from
+outside the job that looks like a hang with no culprit. With ``watchdog=S`` (``timely.execute``,
+``python -m timely.launch --watchdog S``), a thread of each worker checks, about every second, how
+long the current operator invocation has lasted; past ``S`` seconds it prints the operator, the
+worker and the worker's Python stack to stderr, then raises :class:`OperatorStuckError` in the
+worker's main thread (the job ends, naming the operator), or with ``warn_only`` goes on after the
+report (once per invocation).
+
+The error is delivered by a signal (``SIGUSR1``) to the worker's main thread, so it interrupts a
+sleeping or blocked call at once, and a pure-Python loop at its next bytecode; code stuck inside one
+long C call is reported when the call returns.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+import traceback
+from types import FrameType
+
+from .errors import OperatorStuckError
+
+#: Seconds between two checks (at most; a short limit checks more often).
+CHECK_EVERY = 1.0
+
+
+class Watchdog:
+    """Watches the operator invocations of one worker (``worker`` is its index)."""
+
+    def __init__(self, limit: float, worker: int, warn_only: bool = False) -> None:
+        if not limit > 0:
+            raise ValueError(f"the watchdog limit must be a positive number of seconds, not {limit!r}")
+        self.limit = limit
+        self.worker = worker
+        self.warn_only = warn_only
+        self.current: tuple[str, float] | None = None  # (operator, monotonic start) of the invocation
+        self._error: OperatorStuckError | None = None
+        self._main = threading.main_thread().ident
+        self._stop = threading.Event()
+        self._previous_handler: object = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start watching (from the worker's main thread, which the error is raised in)."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("the watchdog must be started from the main thread of the worker's process")
+        self._previous_handler = signal.signal(signal.SIGUSR1, self._raise)
+        self._thread = threading.Thread(target=self._watch, name=f"timely-watchdog-{self.worker}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching and restore the previous ``SIGUSR1`` handler (idempotent)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        signal.signal(signal.SIGUSR1, self._previous_handler)  # type: ignore[arg-type]
+
+    def enter(self, operator: str) -> None:
+        """An invocation of ``operator`` starts."""
+        self.current = (operator, time.monotonic())
+
+    def leave(self) -> None:
+        """The invocation ended."""
+        self.current = None
+
+    def _raise(self, signum: int, frame: FrameType | None) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _watch(self) -> None:
+        reported: tuple[str, float] | None = None
+        while not self._stop.wait(min(CHECK_EVERY, self.limit / 4)):
+            current = self.current
+            if current is None or current is reported or time.monotonic() - current[1] < self.limit:
+                continue
+            reported = current
+            operator, started = current
+            frame = sys._current_frames().get(self._main)  # type: ignore[arg-type]
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)\n"
+            seconds = time.monotonic() - started
+            message = (f"worker {self.worker}: operator '{operator}' has run for {seconds:.1f} s in one invocation "
+                       f"(watchdog limit {self.limit:g} s); its stack:\n{stack}")
+            print(f"timely watchdog: {message}", file=sys.stderr, flush=True)
+            if not self.warn_only:
+                self._error = OperatorStuckError(operator, self.worker, seconds, self.limit, stack)
+                signal.pthread_kill(self._main, signal.SIGUSR1)  # type: ignore[arg-type]
