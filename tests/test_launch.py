@@ -341,3 +341,92 @@ def test_execute_cluster_reports_a_killed_worker(no_leftovers):
 def test_execute_cluster_unpicklable_result(no_leftovers):
     with pytest.raises(WorkerError, match="worker 0 failed"):
         execute_cluster(lambda worker: (lambda: None), 2)
+
+
+# -- hardening (issue 13, item 7) -------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_main_that_is_not_a_function_is_a_usage_error(tmp_path, no_leftovers):
+    job = _job(tmp_path, "fortytwo.py", "main = 42\n")
+    run = _launch(no_leftovers, "-w", "2", job)
+    assert run.returncode == 2, run.stderr
+    assert "main is int 42, not a function" in run.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_terminated_from_outside_is_the_reported_failure(tmp_path, no_leftovers):
+    job = _job(tmp_path, "term.py", """
+        import os, signal, time
+
+        def main(worker):
+            if worker.index == 1:
+                time.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGTERM)
+            worker.step_while(lambda: True)
+    """)
+    run = _launch(no_leftovers, "-w", "2", job)
+    assert run.returncode == 1
+    first = run.stderr.splitlines()[0]
+    assert "worker 1 was killed by signal SIGTERM" in first, run.stderr
+
+
+@pytest.mark.timeout(60)
+def test_hangup_stops_every_worker_and_removes_the_socket_folder(tmp_path, no_leftovers):
+    job = _job(tmp_path, "forever.py", FOREVER_JOB)
+    proc = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
+    no_leftovers.append(proc)
+    seen = b""
+    deadline = time.monotonic() + 20
+    while seen.count(b"ready") < 2 and time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            seen += chunk
+    assert seen.count(b"ready") == 2, seen
+    assert [p for p in tmp_path.iterdir() if p.is_dir()]  # the ipc socket folder exists while it runs
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + signal.SIGHUP and b"SIGHUP received" in err
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+
+
+@pytest.mark.timeout(60)
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, no_leftovers):
+    job = _job(tmp_path, "chatty.py", """
+        def main(worker):
+            with worker.dataflow() as scope:
+                inp = scope.new_input()
+                inp.stream.inspect(print).probe()
+            for epoch in range(200):
+                inp.send_batch(list(range(1000)))
+                inp.advance_to(epoch + 1)
+                worker.step()
+            worker.finish()
+    """)
+    launcher = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    no_leftovers.append(launcher)
+    head = subprocess.run(["head", "-n", "3"], stdin=launcher.stdout, capture_output=True, timeout=30)
+    launcher.stdout.close()  # the launcher's workers write into a pipe nobody reads any more
+    _, err = launcher.communicate(timeout=30)
+    assert len(head.stdout.splitlines()) == 3
+    assert b"BrokenPipeError" not in err and b"Traceback" not in err, err
+    assert launcher.returncode == 128 + signal.SIGPIPE
+
+
+@pytest.mark.timeout(60)
+def test_an_operator_traceback_is_printed_once(tmp_path, no_leftovers):
+    job = _job(tmp_path, "divide.py", """
+        def main(worker):
+            with worker.dataflow() as scope:
+                inp = scope.new_input()
+                inp.stream.map(lambda x: 1 / 0, name="Divide").probe()
+            inp.send(1)
+            worker.finish()
+    """)
+    run = _launch(no_leftovers, "-w", "2", job)
+    assert run.returncode == 1
+    assert run.stderr.count("ZeroDivisionError: division by zero") == 1, run.stderr
+    assert run.stderr.count("1 / 0") == 1 and "operator 'Divide' failed" in run.stderr

@@ -157,6 +157,9 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops everyone
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # Output into a closed pipe (`job | head`) ends the worker quietly, as it ends a Unix tool,
+    # instead of a BrokenPipeError in whichever operator printed. (ZeroMQ sends with MSG_NOSIGNAL.)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
     def report(result: Any) -> None:
         conn.send_bytes(pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
@@ -168,11 +171,17 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
         code = 128 + signal.SIGTERM
     except BaseException as exc:
         code = 1
-        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
-            tb = tb.tb_next  # start the traceback at the job's code, not at the runner's frames
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[0]
+        if isinstance(exc, OperatorError) and exc.cause.__traceback__ is not None:
+            # The user's exception with its traceback, then one line naming the operator: the
+            # OperatorError's own message and frames would repeat the same traceback twice.
+            text = "".join(traceback.format_exception(type(exc.cause), exc.cause, exc.cause.__traceback__))
+            text += f"\n{summary}\n"
+        else:
+            tb = exc.__traceback__
+            while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
+                tb = tb.tb_next  # start the traceback at the job's code, not at the runner's frames
+            text = "".join(traceback.format_exception(type(exc), exc, tb))
         operator, cause = (exc.operator, _pickled(exc.cause)) if isinstance(exc, OperatorError) else (None, None)
         try:
             conn.send_bytes(pickle.dumps(("error", text, summary, isinstance(exc, PeerLost), operator, cause)))
@@ -320,7 +329,9 @@ def _reap(proc: Any, out: Outcome, conns: dict[Any, int]) -> None:
     if code is not None and code < 0:
         out.status, out.signal = "killed", -code
     elif code == 128 + signal.SIGTERM and out.status != "reported":
-        out.status = "stopped"
+        # Ended by a SIGTERM: from whoever sent it. _stop turns this into "stopped" for the
+        # workers the supervisor stopped itself.
+        out.status, out.signal = "killed", signal.SIGTERM
     elif code == 0 and out.status == "reported":
         out.status = "ok"
     else:

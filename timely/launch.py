@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .cluster import Outcome, local_endpoints, primary_failure, run_worker, supervise
+from .cluster import Outcome, local_endpoints, primary_failure, run_worker, signal_name, supervise
 from .comm.endpoints import DEFAULT_PORT, hostfile_endpoints, parse_hostfile
 from .comm.errors import HostfileError
 from .errors import TimelyError
@@ -162,7 +162,7 @@ def _report(outcomes: list[Outcome]) -> None:
 
 
 class _Terminated(BaseException):
-    """SIGTERM received by the launcher."""
+    """SIGTERM or SIGHUP received by the launcher (``args[0]``: the signal)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -227,31 +227,40 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
         module = load_job(job)
         job_main = getattr(module, "main", None)
         if not callable(job_main):
-            raise TypeError(f"{job}: main is not a function")
+            raise JobFileError(f"{job}: main is {type(job_main).__name__} {job_main!r:.60}, not a function of the worker")
         run_worker(job_main, index, peers, endpoints, token, job_args, lambda _result: report(None),
                    opts.fuzz, opts.watchdog, opts.watchdog_warn, bind=bind.get(index), **alloc_options)
 
     def on_sigterm(signum: int, frame: Any) -> None:
-        raise _Terminated()
+        raise _Terminated(signum)
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    # SIGTERM and SIGHUP (the terminal closed) stop the workers and clean up like Ctrl-C.
+    previous = {s: signal.signal(s, on_sigterm) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         outcomes = supervise(entry, range(first, first + n), timeout=opts.timeout)
     except KeyboardInterrupt:
         sys.stderr.write("timely.launch: interrupted; workers stopped\n")
         return 130
-    except _Terminated:
-        sys.stderr.write("timely.launch: terminated; workers stopped\n")
-        return 143
+    except _Terminated as stop:
+        signum = stop.args[0]
+        sys.stderr.write(f"timely.launch: {signal_name(signum)} received; workers stopped\n")
+        return 128 + signum
     except TimeoutError as exc:
         sys.stderr.write(f"timely.launch: timeout: {exc}; workers stopped\n")
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    if any(o.failed for o in outcomes):
-        _report(outcomes)
-        return 1
-    return 0
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    failures = [o for o in outcomes if o.failed]
+    if not failures:
+        return 0
+    first = primary_failure(outcomes)
+    if first.status == "killed" and first.signal == signal.SIGPIPE:
+        return 128 + signal.SIGPIPE  # the output's reader went away (`| head`): end quietly
+    _report(outcomes)
+    if all(o.status == "error" and (o.summary or "").split(":")[0].endswith("JobFileError") for o in failures):
+        return 2  # the job file cannot run: a usage error, like a syntax error
+    return 1
 
 
 if __name__ == "__main__":
