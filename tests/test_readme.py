@@ -1,0 +1,53 @@
+"""The README's complete examples run as written (issue 13, item 8)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def example(heading: str) -> str:
+    """The first ``python`` code block after the line ``heading``."""
+    start = README.index(f"\n{heading}\n")
+    match = re.compile(r"```python\n(.*?)```", re.S).search(README, start)
+    assert match is not None, heading
+    return match.group(1)
+
+
+def run(tmp_path: Path, name: str, source: str, *argv: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    path = tmp_path / name
+    path.write_text(source)
+    return subprocess.run([sys.executable, *argv, str(path)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.timeout(120)
+def test_a_first_dataflow_runs_as_a_script_and_under_the_launcher(tmp_path):
+    source = example("## A first dataflow")
+    direct = run(tmp_path, "first.py", source)
+    assert direct.returncode == 0, direct.stderr
+    assert "['any msgpack-able value', 'any msgpack-able value']" in direct.stdout
+    assert direct.stdout.count("('a', 2)") == 3 and direct.stdout.count("('b', 1)") == 3  # 3 epochs
+    launched = run(tmp_path, "first.py", source, "-m", "timely.launch", "-w", "2")
+    assert launched.returncode == 0, launched.stderr
+    assert launched.stdout.count("('a', 2)") == 3 and "msgpack-able" not in launched.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_testing_example_runs(tmp_path):
+    done = run(tmp_path, "testing_example.py", example("### Testing your dataflows"))
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.timeout(150)
+def test_the_megaphone_example_finishes_its_migration(tmp_path):
+    done = run(tmp_path, "migrate_demo.py", example("## Megaphone: live state migration"),
+               "-m", "timely.launch", "-w", "2", "--timeout", "120")
+    assert done.returncode == 0, done.stderr
+    assert "worker 0 owns 192 of 256 bins" in done.stdout and "worker 1 owns 64 of 256 bins" in done.stdout
