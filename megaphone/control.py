@@ -1,9 +1,12 @@
 """The control stream: timestamped configuration updates that say which worker owns which bin.
 
 A configuration update at time ``t`` says: from ``t`` on, bin ``b`` lives on worker ``w``
-(ARCHITECTURE.md section 5.1). Updates are ordinary records of a timely input, broadcast to every worker by
-the migratable operators, so the progress protocol orders migrations with the data: no locks, no
-pause, no side channel. The records and their validation are those of :mod:`megaphone.table`.
+(ARCHITECTURE.md section 5.1). Updates are ordinary records of a timely input, broadcast to every
+worker by the migratable operators, so the progress protocol orders migrations with the data: no
+locks, no pause, no side channel. The updates of one time are applied in a canonical order,
+whatever order they arrive in (:func:`megaphone.table.canonical`); :class:`ControlInput` refuses
+those whose effect would depend on their order. The records and their validation are those of
+:mod:`megaphone.table`.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Any
 
 import timely
 
-from .table import move_updates, validate_k, validate_update
+from .table import TableError, move_updates, validate_k, validate_update
 
 
 class ControlInput:
@@ -29,6 +32,7 @@ class ControlInput:
         self.peers = scope.peers
         self.handle = scope.new_input(name)
         self.stream = self.handle.stream
+        self._sent: tuple[Any, tuple | None, dict[int, int]] = (None, None, {})  # (time, table, moves) sent then
 
     @property
     def time(self) -> Any:
@@ -49,13 +53,30 @@ class ControlInput:
         updates = move_updates(assignment)
         for u in updates:
             validate_update(u, self.nbins, self.peers)
+        self._record(None, dict(assignment))
         self.handle.send_batch(updates)
 
     def install(self, table: Sequence[int]) -> None:
         """From the current time on, use the routing ``table`` (one worker per bin)."""
         u = ("table", tuple(table))
         validate_update(u, self.nbins, self.peers)
+        self._record(u[1], {})
         self.handle.send(u)
+
+    def _record(self, table: tuple | None, moves: dict[int, int]) -> None:
+        """Note updates about to be sent at the current time; raise :class:`TableError` (sending
+        nothing) if their effect would depend on their order: the updates of one time are applied
+        in a canonical order, tables before moves (:func:`megaphone.table.canonical`), so a time
+        takes at most one table, before any move, and moves each bin to one worker."""
+        time, sent_table, sent_moves = self._sent
+        if time != self.time:
+            sent_table, sent_moves = None, {}
+        if table is not None and (sent_moves or sent_table not in (None, table)):
+            raise TableError(f"a routing table at time {self.time!r} must be the first and only one of its time")
+        for b, w in moves.items():
+            if sent_moves.get(b, w) != w:
+                raise TableError(f"bin {b} was already moved to worker {sent_moves[b]} at time {self.time!r}")
+        self._sent = (self.time, table if table is not None else sent_table, {**sent_moves, **moves})
 
     def advance_to(self, time: Any) -> None:
         """Advance the control input (keep it in step with the data input)."""

@@ -174,7 +174,8 @@ def state_machine(stream: Stream, control: Any, key: Any, fold: Callable, k: int
 
     ``fold(key, value, state)`` gets the key's state (``None`` at first) and returns
     ``(keep_state, outputs)``: the new state to keep (``None`` discards it) and an iterable of
-    output records, emitted at the record's time. Records of one key are applied in time order.
+    output records, emitted at the record's time. Records of one key are applied in time order
+    (those of one time in the order they arrive, which timely leaves open).
     ``key`` picks the routing key from the record (default: field 0, the pair's key).
     """
 

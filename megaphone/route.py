@@ -16,7 +16,7 @@ from typing import Any
 from timely import Capability, Frontier, OperatorInput, OperatorOutput, ProbeHandle
 
 from .bins import Shared
-from .table import Table, TableError, apply, moved_bins, validate_update
+from .table import Table, TableError, apply, canonical, moved_bins, validate_update
 
 
 class RoutingOperator:
@@ -54,7 +54,7 @@ class RoutingOperator:
                 except TableError as e:
                     raise TableError(f"'{shared.name}': {e}") from None
             old = shared.config_tables[-1]
-            new = apply(old, updates)
+            new = apply(old, canonical(updates))  # the same table on every worker, whatever the arrival order
             shared.config_times.append(t)
             shared.config_tables.append(new)
             self.to_extract.append((t, old, new, cap))

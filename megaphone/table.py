@@ -88,6 +88,17 @@ def move_updates(moves: Mapping[int, int]) -> list[Update]:
     return [("move", b, w) for b, w in sorted(moves.items())]
 
 
+def canonical(updates: Iterable[Update]) -> list[Update]:
+    """The updates of one time in the order a migratable operator applies them: whole tables first,
+    then moves by bin and worker, whatever order they were sent or arrived in.
+
+    Timely delivers the control records of one time in any order (split and interleaved
+    differently on every worker), and every worker must compile the same table from them
+    (ARCHITECTURE 5.1).
+    """
+    return sorted(updates, key=lambda u: (0, tuple(u[1])) if u[0] == "table" else (1, u[1], u[2]))
+
+
 def apply(table: Sequence[int], updates: Iterable[Update]) -> Table:
     """The routing table after applying ``updates`` in order to ``table``.
 

@@ -10,11 +10,13 @@ A source named N is three operators, built identically on every worker::
 Worker 0's :class:`~spark_bridge.ledger.CommitLedger` turns a Spark commit into a decision; the
 control operator sends its record ``(Request.COMMIT, query, batch, tokens, final)`` at the stream's
 next epoch ``e``, downgrades its capability to ``e + 1`` and tells the ledger. The broadcast delivers
-the record to every worker's ``SparkSource``, whose :class:`~spark_bridge.ledger.Staging` yields the
-rows its worker staged for the winning tokens (emitted at ``e`` with the record's input capability,
-retained while a large batch is emitted in slices) and drops every other attempt. So a batch enters
-the dataflow atomically, timestamped and ordered like any data, and the stream's frontier passes
-``e`` exactly when every worker has emitted it; the ledger releases Spark's commit reply then.
+the record to every worker's ``SparkSource``, which applies the records of each epoch once the epoch
+is complete, epoch by epoch (the order they were published in, whatever order they arrive in): its
+:class:`~spark_bridge.ledger.Staging` yields the rows its worker staged for the winning tokens
+(emitted at ``e``, with a capability retained while a large batch is emitted in slices) and drops
+every other attempt. So a batch enters the dataflow atomically, timestamped and ordered like any
+data, and the stream's frontier passes ``e`` exactly when every worker has emitted it; the ledger
+releases Spark's commit reply then.
 
 A sink named N is one operator per worker: it feeds the records of each time to a
 :class:`~spark_bridge.sinkbuffer.SinkBuffer`, which converts them to Arrow IPC and serves an epoch
@@ -118,6 +120,7 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
         cap.drop()
         src.data = info.activator
         server.op_started()
+        decided: dict[int, tuple[Any, list]] = {}  # epoch -> (its retained capability, decision records)
         pending: deque = deque()  # [retained capability, iterator of RecordBatches]
         wakeup = Wakeup(server, info.activator)
         finished = [False]
@@ -134,10 +137,23 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
                 return
             server.pump()
             for icap, recs in inp:
-                for rec in recs:
+                entry = decided.get(icap.time)
+                if entry is None:
+                    entry = decided[icap.time] = (icap.retain(), [])
+                entry[1].extend(recs)
+            # Invariant: decisions are applied in the order the control operator published them
+            # (a later commit of a query drops the attempts of its earlier batches): epoch by
+            # epoch, each once complete, and within an epoch its aborts before the commit that
+            # ended it. Timely delivers the records of several epochs, or of one, in any order.
+            for epoch in sorted(decided):
+                if inp.frontier.less_equal(epoch):
+                    break
+                cap, recs = decided.pop(epoch)
+                for rec in sorted(recs, key=lambda r: r[0] == Request.COMMIT):
                     frames, schema_bytes = staging.apply(rec)
                     if frames:
-                        pending.append([icap.retain(), batches(frames, schema_bytes)])
+                        pending.append([cap.delayed(epoch), batches(frames, schema_bytes)])
+                cap.drop()
             budget = _EMIT_ROWS
             while pending and budget > 0:
                 cap, it = pending[0]

@@ -5,6 +5,8 @@ Property tests that fork workers use :func:`property_on_workers` (fewer examples
 Helpers used by a few modules only live in small modules beside this one: ``epoch_input.py`` and
 ``dataflows.py`` (random epochs, feeding and running them), ``oracles.py`` (per-epoch oracles),
 ``progress_reference.py`` and ``reachability*.py`` (``timely.progress`` oracles), ``megaphone_jobs.py``.
+Runners take ``fuzz=SEED`` to run under the schedule fuzzer; the ``test_fuzz_*`` modules draw the
+seed from :data:`FUZZ_SEEDS`.
 """
 from __future__ import annotations
 
@@ -13,10 +15,14 @@ import inspect
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import timely
 from timely.testing import bag
 from timely.testing import normalize as norm
+
+#: Seeds of the schedule fuzzer (``fuzz=SEED``) for hypothesis to draw: the fuzz tests' ``seed``.
+FUZZ_SEEDS = st.integers(0, 2**32 - 1)
 
 WORKER_COUNTS = [1, 2, 3]
 WORKER_IDS = [f"w{n}" for n in WORKER_COUNTS]
@@ -24,12 +30,14 @@ WORKER_IDS = [f"w{n}" for n in WORKER_COUNTS]
 #: ``@workers_param``: run the test once per worker count, with ids ``w1``/``w2``/``w3``.
 workers_param = pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
 
-__all__ = ["WORKER_COUNTS", "WORKER_IDS", "bag", "examples", "norm", "property_on_workers", "run", "workers_param"]
+__all__ = ["FUZZ_SEEDS", "WORKER_COUNTS", "WORKER_IDS", "bag", "examples", "norm", "property_on_workers", "run",
+           "workers_param"]
 
 
-def run(main, workers: int) -> list:
-    """``timely.execute(main, workers=workers)``: one result per worker, by index."""
-    return timely.execute(main, workers=workers)
+def run(main, workers: int, fuzz: int | None = None) -> list:
+    """``timely.execute(main, workers=workers, fuzz=fuzz)``: one result per worker, by index
+    (``fuzz=SEED``: under the schedule fuzzer, see :mod:`timely.dataflow.fuzz`)."""
+    return timely.execute(main, workers=workers, fuzz=fuzz)
 
 
 @pytest.fixture

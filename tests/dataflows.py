@@ -1,9 +1,12 @@
-"""Dataflows shared by the dataflow tests: run a dataflow over random epochs on every worker, and
-the halving loop that the loop and frontier tests build (in a top-level or a nested scope)."""
+"""Dataflows shared by the dataflow tests: run a dataflow over random epochs on every worker (under
+the schedule fuzzer with ``fuzz=SEED``), the halving loop that the loop and frontier tests build
+(in a top-level or a nested scope), and a notificator-based per-time sum as users write it."""
 from __future__ import annotations
 
 from conftest import run
 from epoch_input import feed, feed1
+
+from timely import ProbeHandle
 
 
 def halving_loop(scope, stream):
@@ -16,9 +19,9 @@ def halving_loop(scope, stream):
     return body
 
 
-def run_reporting(workers: int, epochs, build, inputs: int = 1) -> list:
-    """Run ``build`` on ``workers`` workers over ``epochs`` (fed by :func:`feed`); per worker,
-    ``(captured output, report())``.
+def run_reporting(workers: int, epochs, build, inputs: int = 1, fuzz: int | None = None) -> list:
+    """Run ``build`` on ``workers`` workers over ``epochs`` (fed by :func:`feed`), under the schedule
+    fuzzer seeded ``fuzz`` if given; per worker, ``(captured output, report())``.
 
     ``build(stream)`` (with ``inputs=2``: ``build(stream_a, stream_b)`` and two-input epochs) runs
     in the worker while its dataflow is built and returns ``(output stream, report)``: ``report()``
@@ -39,10 +42,50 @@ def run_reporting(workers: int, epochs, build, inputs: int = 1) -> list:
             feed(worker, handles, epochs, probe)
         return cap.extract(), report()
 
-    return run(main, workers)
+    return run(main, workers, fuzz)
 
 
-def run_captured(workers: int, epochs, build, inputs: int = 1) -> list:
+def run_captured(workers: int, epochs, build, inputs: int = 1, fuzz: int | None = None) -> list:
     """:func:`run_reporting` for a ``build`` that returns just the output stream: per worker, what
     the output captured (``capture().extract()``)."""
-    return [out for out, _ in run_reporting(workers, epochs, lambda *s: (build(*s), list), inputs)]
+    return [out for out, _ in run_reporting(workers, epochs, lambda *s: (build(*s), list), inputs, fuzz)]
+
+
+def run_branches(workers: int, epochs, builds, fuzz: int | None = None) -> list:
+    """Run every ``build(stream)`` of ``builds`` on one input in one dataflow over ``epochs`` (fed
+    by :func:`feed1`); per worker, the list of what each build's output captured."""
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            outs = [build(inp.stream) for build in builds]
+            caps = [out.capture() for out in outs]
+            probe = ProbeHandle()
+            for out in outs:
+                out.probe_with(probe)
+        feed1(worker, inp, epochs, probe)
+        return [cap.extract() for cap in caps]
+
+    return run(main, workers, fuzz)
+
+
+def sum_per_time(totals, log):
+    """Notify logic for ``unary_notify`` / ``binary_notify``, written as users write it: once a time
+    is complete, ``(time, sum of input 1 - sum of input 2, number of records)``. ``totals`` is its
+    per-time state (a fresh dict); ``log`` gets each time delivered, with whether every input
+    frontier had passed it."""
+
+    def logic(*args):
+        *inputs, out, notificator = args
+        for sign, inp in zip((1, -1), inputs):
+            for c, batch in inp:
+                if c.time not in totals:
+                    totals[c.time] = [0, 0]
+                    notificator.notify_at(c.retain())
+                totals[c.time][0] += sign * sum(batch)
+                totals[c.time][1] += len(batch)
+        for c in notificator:
+            log.append((c.time, not any(i.frontier.less_equal(c.time) for i in inputs)))
+            out.session(c).give((c.time, *totals.pop(c.time)))
+
+    return logic

@@ -54,7 +54,8 @@ def send_epoch(worker, inp, t, records) -> None:
 
 
 def feed(worker, inputs, epochs, probe):
-    """Drive ``inputs`` through ``epochs`` (``[(t, [recs per input])]``), one epoch at a time."""
+    """Drive ``inputs`` through ``epochs`` (``[(t, [recs per input])]``), one epoch at a time (the next
+    once ``probe`` has passed it), then close them and :func:`finish`."""
     for t, per_input in epochs:
         for inp, recs in zip(inputs, per_input):
             inp.advance_to(t)
@@ -76,7 +77,18 @@ def feed(worker, inputs, epochs, probe):
         assert not probe.less_equal(t)
     for inp in inputs:
         inp.close()
-    worker.step_while(lambda: not probe.done(), timeout=STEP_TIMEOUT)
+    finish(worker)
+
+
+def finish(worker) -> None:
+    """Step until every dataflow of ``worker`` has completed (a hang raises :class:`TimeoutError`).
+
+    A probe being done is not enough before reading a capture: the probe speaks for its own input
+    only, and a capture beside it on the same stream may still wait for batches in flight (each
+    input gets its batches on its own schedule, which the fuzzer varies). A completed dataflow has
+    nothing in flight anywhere.
+    """
+    worker.step_while(worker.has_dataflows, timeout=STEP_TIMEOUT)
 
 
 def feed1(worker, inp, epochs, probe):

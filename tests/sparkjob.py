@@ -10,10 +10,12 @@ import timely
 
 
 class ThreadJob:
-    """A one-worker timely job in a background thread, serving the bridge on an auto-chosen port."""
+    """A one-worker timely job in a background thread, serving the bridge on an auto-chosen port
+    (under the schedule fuzzer seeded ``fuzz`` if given: see :mod:`timely.dataflow.fuzz`)."""
 
-    def __init__(self, build) -> None:
+    def __init__(self, build, fuzz: int | None = None) -> None:
         self.build = build
+        self.fuzz = fuzz
         self.ready = threading.Event()
         self.endpoint = ""  # the coordinator, once the job serves it
         self.result: Any = None
@@ -30,7 +32,7 @@ class ThreadJob:
             return grab()
 
         try:
-            self.result = timely.execute(main, workers=1)[0]
+            self.result = timely.execute(main, workers=1, fuzz=self.fuzz)[0]
         except BaseException as e:
             self.error = e
         finally:

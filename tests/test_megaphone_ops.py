@@ -1,7 +1,8 @@
 """Megaphone operators under random inputs and random migrations, against sequential oracles.
 
 For each run: random keyed records per epoch, random migrations (moves at random epochs, issued by
-worker 0 over the control input at the same times as data), on 1, 2 and 3 workers. The outputs
+worker 0 over the control input at the same times as data), on 1, 2 and 3 workers. The ``check_*``
+functions take ``fuzz=SEED`` (``test_fuzz_megaphone.py`` runs them under the schedule fuzzer). The outputs
 must equal a sequential computation and the run without migration; no record is lost or applied
 twice; after each epoch every bin lives on exactly one worker, the one the routing table names.
 """
@@ -21,11 +22,13 @@ records = st.lists(st.tuples(keys, st.integers(1, 5)), max_size=25)
 
 
 def drive(worker, data_inputs, control, handle, epochs, moves, check_bins=True):
-    """Feed ``epochs`` (per epoch: one record list per data input) and ``moves`` (worker 0 only)."""
+    """Feed ``epochs`` (per epoch: one record list per data input) and ``moves``: per epoch a
+    ``{bin: worker}`` dict that worker 0 sends, or a list of them, the ``i``-th sent by worker ``i``."""
     owned = []
     for e, per_input in enumerate(epochs):
-        if worker.index == 0 and moves[e]:
-            control.moves(moves[e])
+        senders = moves[e] if isinstance(moves[e], list) else [moves[e]]
+        if worker.index < len(senders) and senders[worker.index]:
+            control.moves(senders[worker.index])
         for inp, recs in zip(data_inputs, per_input):
             inp.send_batch(recs[worker.index::worker.peers])
         for inp in data_inputs:
@@ -63,9 +66,10 @@ def megaphone_job(epochs, moves, k: int, build, inputs: int = 1):
     return main
 
 
-def run_normalized(main, workers: int) -> list:
-    """:func:`run`, each worker's ``(output, owned)`` normalised (lists become tuples)."""
-    return [(norm(r[0]), norm(r[1])) for r in run(main, workers)]
+def run_normalized(main, workers: int, fuzz: int | None = None) -> list:
+    """:func:`run` (under the schedule fuzzer seeded ``fuzz`` if given), each worker's
+    ``(output, owned)`` normalised (lists become tuples)."""
+    return [(norm(r[0]), norm(r[1])) for r in run(main, workers, fuzz)]
 
 
 def check_ownership(results, peers: int, k: int):
@@ -124,20 +128,26 @@ def summarise_sm(results):
     return Counter({(t, key, max(s), len(s)): 1 for (t, key), s in per.items()})
 
 
-@pytest.mark.timeout(300)
-@property_on_workers(data=st.data())
-def test_state_machine_with_random_migrations(workers, data):
+def check_state_machine(workers, data, fuzz=None):
+    """A running sum per key under random migrations equals the sequential oracle and the same job
+    without migration; bins are where the table says (``fuzz``: under the schedule fuzzer)."""
     k = data.draw(st.integers(1, 5), label="k")
     n = data.draw(st.integers(1, 5), label="epochs")
     epochs = [(data.draw(records, label=f"records{e}"),) for e in range(n)]
     moves = draw_moves(data, k, workers, n)
-    results = run_normalized(sm_job(epochs, moves, k), workers)
+    results = run_normalized(sm_job(epochs, moves, k), workers, fuzz)
     expected = running_counts(epochs)
     assert summarise_sm(results) == expected
     check_ownership(results, workers, k)
     # The same job without migration gives the same outputs.
-    plain = run_normalized(sm_job(epochs, [{}] * n, k), workers)
+    plain = run_normalized(sm_job(epochs, [{}] * n, k), workers, fuzz)
     assert summarise_sm(plain) == summarise_sm(results)
+
+
+@pytest.mark.timeout(300)
+@property_on_workers(data=st.data())
+def test_state_machine_with_random_migrations(workers, data):
+    check_state_machine(workers, data)
 
 
 def timers_job(epochs, moves, k, delay):
@@ -156,15 +166,15 @@ def timers_job(epochs, moves, k, delay):
     return megaphone_job(epochs, moves, k, lambda s, control: megaphone.unary(s[0], control, 0, fold))
 
 
-@pytest.mark.timeout(300)
-@property_on_workers(data=st.data())
-def test_unary_timers_migrate_with_their_bin(workers, data):
+def check_unary_timers(workers, data, fuzz=None):
+    """Every record is echoed by its bin's timer ``delay`` epochs later, wherever the bin moved
+    meanwhile (``fuzz``: under the schedule fuzzer)."""
     k = data.draw(st.integers(1, 4), label="k")
     n = data.draw(st.integers(1, 5), label="epochs")
     delay = data.draw(st.integers(1, 3), label="delay")
     epochs = [(data.draw(records, label=f"records{e}"),) for e in range(n)]
     moves = draw_moves(data, k, workers, n)
-    results = run_normalized(timers_job(epochs, moves, k, delay), workers)
+    results = run_normalized(timers_job(epochs, moves, k, delay), workers, fuzz)
     got = outputs(results)
     expected = Counter()
     for t, (recs,) in enumerate(epochs):
@@ -172,6 +182,12 @@ def test_unary_timers_migrate_with_their_bin(workers, data):
             expected[(t + delay, "echo", key, v, True)] += 1
     assert got == expected
     check_ownership(results, workers, k)
+
+
+@pytest.mark.timeout(300)
+@property_on_workers(data=st.data())
+def test_unary_timers_migrate_with_their_bin(workers, data):
+    check_unary_timers(workers, data)
 
 
 def join_job(epochs, moves, k):
@@ -194,15 +210,15 @@ def join_job(epochs, moves, k):
                          inputs=2)
 
 
-@pytest.mark.timeout(300)
-@property_on_workers(data=st.data())
-def test_binary_join_with_random_migrations(workers, data):
+def check_binary_join(workers, data, fuzz=None):
+    """A symmetric join under random migrations emits every matching pair once, at the later of its
+    two times (``fuzz``: under the schedule fuzzer)."""
     k = data.draw(st.integers(1, 4), label="k")
     n = data.draw(st.integers(1, 4), label="epochs")
     side = st.lists(st.tuples(st.integers(0, 8), st.integers(0, 99)), max_size=8)
     epochs = [(data.draw(side, label=f"left{e}"), data.draw(side, label=f"right{e}")) for e in range(n)]
     moves = draw_moves(data, k, workers, n)
-    results = run_normalized(join_job(epochs, moves, k), workers)
+    results = run_normalized(join_job(epochs, moves, k), workers, fuzz)
     got = outputs(results)
     expected = Counter()
     for t1, (left, _) in enumerate(epochs):
@@ -213,6 +229,12 @@ def test_binary_join_with_random_migrations(workers, data):
                         expected[(max(t1, t2), ka, a, b)] += 1
     assert got == expected
     check_ownership(results, workers, k)
+
+
+@pytest.mark.timeout(300)
+@property_on_workers(data=st.data())
+def test_binary_join_with_random_migrations(workers, data):
+    check_binary_join(workers, data)
 
 
 def tracked_job(k):

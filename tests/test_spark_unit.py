@@ -84,9 +84,13 @@ def read_all(ep, sink, start, end):
                   for row in b.to_pylist())
 
 
+FUZZ = pytest.mark.parametrize("fuzz", [None, 3, 11], ids=["plain", "fuzz3", "fuzz11"])  # schedule fuzzer seeds
+
+
 @pytest.mark.timeout(60)
-def test_commit_publishes_only_winning_attempts_once():
-    with ThreadJob(capture_job) as job:
+@FUZZ
+def test_commit_publishes_only_winning_attempts_once(fuzz):
+    with ThreadJob(capture_job, fuzz) as job:
         opts = {"endpoint": job.endpoint, "stream": "events", "timeout": "10"}
         plan = D._plan_write(opts, SCHEMA, False, "q1", 0)
         loser = D._write(plan, iter([batch([1, 2, 3])]), 0)  # a failed attempt: never committed
@@ -113,8 +117,9 @@ def test_commit_publishes_only_winning_attempts_once():
 
 
 @pytest.mark.timeout(60)
-def test_streaming_batches_are_epochs_and_replays_are_ignored():
-    with ThreadJob(capture_job) as job:
+@FUZZ
+def test_streaming_batches_are_epochs_and_replays_are_ignored(fuzz):
+    with ThreadJob(capture_job, fuzz) as job:
         opts = {"endpoint": job.endpoint, "stream": "events", "timeout": "10"}
         plan = D._plan_write(opts, SCHEMA, False, "stream-ck", None)
         for b in range(3):

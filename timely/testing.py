@@ -66,14 +66,15 @@ def run_epochs(build: Callable[[Stream], Stream], epochs: Sequence[Iterable[Any]
             inp = scope.new_input("TestInput")
             out = build(inp.stream)
             captured = out.capture()
-            probe = out.probe()
         for epoch, records in enumerate(batches):
             mine = records[worker.index::worker.peers]
             if mine:
                 inp.send_batch(mine)
             inp.advance_to(epoch + 1)
         inp.close()
-        worker.step_while(lambda: not probe.done(), timeout=timeout)
+        # Until the whole dataflow completed, not just the probe: the capture beside it may still
+        # wait for batches in flight (a probe speaks for its own input only).
+        worker.step_while(worker.has_dataflows, timeout=timeout)
         return captured.batches
 
     by_time: dict[Any, list] = defaultdict(list)

@@ -38,7 +38,8 @@ def count_logic(key: Key) -> NotifyLogic:
 
 
 def reduce_logic(reduce: Callable[[Any, Any], Any]) -> NotifyLogic:
-    """Notify logic folding the values of ``(key, value)`` pairs per key, emitted once each time is complete."""
+    """Notify logic folding the values of ``(key, value)`` pairs per key, emitted once each time is
+    complete; the values of a time are folded in their arrival order, which is not defined."""
     state: dict[Any, dict] = {}
 
     def logic(inp: OperatorInput, out: OperatorOutput, notificator: Notificator) -> None:

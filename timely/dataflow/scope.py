@@ -349,7 +349,11 @@ class Stream:
 
     def reduce_by_key(self, reduce: Callable[[Any, Any], Any], name: str | None = None) -> Stream:
         """On a stream of ``(key, value)`` pairs, emit ``(key, reduce(reduce(v1, v2), v3)...)`` per
-        key and time, once the time is complete."""
+        key and time, once the time is complete.
+
+        The values of a key at a time are folded in the order they arrive, which timely leaves open
+        (batches come in any order, cut anywhere): ``reduce`` should be associative and commutative.
+        """
         return self.unary_notify(keyed.reduce_logic(reduce), name or self.scope.default_name("ReduceByKey", reduce),
                                  Exchange(0))
 
