@@ -13,7 +13,7 @@ memory and collector state are that run's alone.
     .venv/bin/python bench/nexmark_bench.py --query q1,q3 --variant both --rate 100000 --duration 20
     .venv/bin/python bench/nexmark_bench.py --query q3 --variant megaphone --workers 2 --rate 50000 \\
         --duration 30 --migration batched --migrate-at 15
-    .venv/bin/python bench/nexmark_bench.py --check        # every query vs the reference, 1-3 workers
+    .venv/bin/python bench/nexmark_bench.py --check        # every query and variant vs the reference
 
 Event time runs ``--time-dilation`` times faster than wall time (the paper uses 60 for Q5 and 79
 for Q8). Windows are in event time: ``--param q5_window_ms=60000`` etc. (see nexmark.model.Params).
@@ -26,11 +26,12 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from nexmark.driver import Spec, run
-from nexmark.harness import Run, diff, execute, expected, random_moves
-from nexmark.model import Config, Params
+from nexmark.harness import CHECK_CONFIG, CHECK_PARAMS, Run, diff, execute, expected, random_moves
+from nexmark.model import Params
 from nexmark.queries import QUERIES
 from nexmark.report import Summary, fmt_s, median_table, plot, summarise, table, timeline_text, write_csv
 from timely import collector
@@ -47,25 +48,36 @@ def parse_params(items: list[str]) -> dict:
     return out
 
 
-def check(queries: list[str], variants: list[bool], workers: list[int], events: int, seed: int) -> bool:
-    """Every query's output on a small seed against the reference (Megaphone with random moves)."""
-    config = Config(rate=100_000, time_dilation=3, in_flight_auctions=20, seed=seed)
-    params = Params(d=3, q5_window_ms=36, q5_slide_ms=9, q7_window_ms=15, q8_window_ms=60, q2_skip=7)
+def check(queries: list[str], variants: list[bool], workers: list[int], events: int, seed: int,
+          fuzz: bool = True) -> bool:
+    """Every query's output on a small seed against the reference, for each parameter set of
+    :data:`nexmark.harness.CHECK_PARAMS` (windows of several epochs, of one epoch, of less than
+    one) on each worker count; the Megaphone variants with random moves. The wide windows get each
+    event at its own epoch, the small ones runs of epochs stamped early by each worker on its own
+    (lagging drivers). With ``fuzz`` every run is under the engine's schedule fuzzer (batches
+    split, reordered and delayed; operators run with nothing to do)."""
+    config = replace(CHECK_CONFIG, seed=seed)
     ok = True
     for q in queries:
-        want = expected(Run(q, config, events, params))
-        for flex in variants:
+        for name, params in CHECK_PARAMS.items():
+            batching = None if name == "wide" else seed
             for w in workers:
-                r = Run(q, config, events, params, workers=w, flex=flex)
-                if flex:
-                    r.moves = random_moves(seed + w, r.epochs, r.k, w, count=6)
-                started = time.perf_counter()
-                got = execute(r)
-                problem = diff(got, want)
-                ok = ok and not problem
-                print(f"check {q:3} {'megaphone' if flex else 'native':9} workers={w}: "
-                      f"{'OK' if not problem else 'FAIL'} ({sum(want.values())} records, "
-                      f"{time.perf_counter() - started:.2f} s)" + (f"\n{problem}" if problem else ""), flush=True)
+                want = expected(Run(q, config, events, params, workers=w, batching=batching))
+                for flex in variants:
+                    r = Run(q, config, events, params, workers=w, flex=flex, batching=batching,
+                            fuzz=seed * 10 + w if fuzz else None, timeout=None if w == 1 else 120)
+                    if flex:
+                        r.moves = random_moves(seed + w, r.epochs, r.k, w, count=6)
+                    started = time.perf_counter()
+                    try:
+                        problem = diff(execute(r), want)
+                    except Exception as e:  # a failed run is a failed check; the others still run
+                        problem = f"{type(e).__name__}: {e}"
+                    ok = ok and not problem
+                    print(f"check {q:3} {name:9} {'megaphone' if flex else 'native':9} workers={w}: "
+                          f"{'OK' if not problem else 'FAIL'} ({sum(want.values())} records, "
+                          f"{time.perf_counter() - started:.2f} s)" + (f"\n{problem}" if problem else ""),
+                          flush=True)
     return ok
 
 
@@ -114,8 +126,10 @@ def bench_one(args: argparse.Namespace, q: str, flex: bool, rate: int, params: d
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--query", default="q1", help="comma-separated queries (q0..q8) or 'all' (default q1)")
-    ap.add_argument("--variant", choices=("native", "megaphone", "both"), default="native")
+    ap.add_argument("--query", default=None,
+                    help="comma-separated queries (q0..q8) or 'all' (default q1; with --check all)")
+    ap.add_argument("--variant", choices=("native", "megaphone", "both"), default=None,
+                    help="default native; with --check both")
     ap.add_argument("--rate", default="100000",
                     help="events per second, all workers (default 100000); a comma-separated list runs each rate in "
                          "turn, up to the first one a query does not sustain")
@@ -153,21 +167,28 @@ def main(argv: list[str] | None = None) -> int:
                          "(their peak RSS then includes what they inherit from this process)")
     ap.add_argument("--timeout", type=float, default=3600.0,
                     help="seconds a run may take before its workers are stopped (default 3600)")
-    ap.add_argument("--check", action="store_true", help="verify the queries against the reference and exit")
+    ap.add_argument("--check", action="store_true",
+                    help="verify the queries against the reference (several window sizes and worker counts, under "
+                         "the schedule fuzzer) and exit")
     ap.add_argument("--check-events", type=int, default=6000)
-    ap.add_argument("--check-workers", default="1", help="comma-separated worker counts for --check (default 1)")
+    ap.add_argument("--check-workers", default="1,2,3", help="comma-separated worker counts for --check (default 1,2,3)")
+    ap.add_argument("--check-no-fuzz", dest="check_fuzz", action="store_false",
+                    help="run --check on the engine's ordinary schedule instead of the schedule fuzzer")
     args = ap.parse_args(argv)
 
     print("command:", shlex.join([sys.executable, *sys.argv]))
     print(f"os.cpu_count(): {os.cpu_count()}  python: {sys.version.split()[0]}", flush=True)
-    queries = sorted(QUERIES) if args.query == "all" else args.query.split(",")
+    query = args.query or ("all" if args.check else "q1")
+    queries = sorted(QUERIES) if query == "all" else query.split(",")
     for q in queries:
         if q not in QUERIES:
             raise SystemExit(f"unknown query {q!r} (one of {', '.join(sorted(QUERIES))} or 'all')")
-    variants = {"native": [False], "megaphone": [True], "both": [False, True]}[args.variant]
+    variant = args.variant or ("both" if args.check else "native")
+    variants = {"native": [False], "megaphone": [True], "both": [False, True]}[variant]
 
     if args.check:
-        ok = check(queries, variants, [int(w) for w in args.check_workers.split(",")], args.check_events, args.seed)
+        ok = check(queries, variants, [int(w) for w in args.check_workers.split(",")], args.check_events, args.seed,
+                   args.check_fuzz)
         print("check:", "all OK" if ok else "FAILED")
         return 0 if ok else 1
 
@@ -181,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--migration needs --migrate-at SECONDS")
     if args.migration and args.workers == 1:
         print("warning: with 1 worker every bin stays on worker 0: the migration moves nothing", flush=True)
-    if args.migration and args.variant == "native":
+    if args.migration and variant == "native":
         print("warning: --migration applies to the Megaphone variant only (--variant megaphone|both)", flush=True)
     params = parse_params(args.param)
     rates = [int(float(r)) for r in args.rate.split(",")]

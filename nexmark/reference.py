@@ -102,13 +102,18 @@ def q5(ev: Stamped, p: Params) -> Counter:
     """For every slide end ``s`` whose window ``[s - W, s)`` holds a bid: the auction with most bids
     (lowest id on ties), at epoch ``last_epoch(s)``."""
     width, slide = p.q5_window_ms, p.q5_slide_ms
-    times = [b[3] for _, b in ev.bids]
-    if not times:
+    # The auctions of the bids in each slide-long slice [i * slide, (i + 1) * slide) of event time:
+    # a window [end - W, end) is the slices (end - W) // slide .. end // slide - 1 (W and end are
+    # multiples of the slide).
+    by_slice = defaultdict(list)
+    for _, b in ev.bids:
+        by_slice[b[3] // slide].append(b[0])
+    if not by_slice:
         return Counter()
     out: Counter = Counter()
-    for k in range(min(times) // slide + 1, max(times) // slide + width // slide + 1):
+    for k in range(min(by_slice) + 1, max(by_slice) + width // slide + 1):
         end = k * slide
-        counts = Counter(b[0] for _, b in ev.bids if end - width <= b[3] < end)
+        counts = Counter(a for i in range((end - width) // slide, k) for a in by_slice.get(i, ()))
         if counts:
             top = max(counts, key=lambda a: (counts[a], -a))
             out[(last_epoch(end, p.d), (end, top, counts[top]))] += 1

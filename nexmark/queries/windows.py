@@ -32,8 +32,13 @@ class SlidingCounts:
     """Per-auction bid counts over a sliding window, advanced one slide at a time.
 
     ``slices`` holds the counts of each slide-long slice of event time that has not yet left the
-    window; ``counts`` the sums over the slices in the current window; ``next_end`` the end of the
-    next window to report (``None`` while no bid is held).
+    window; ``counts`` the sums over the slices in the window ending at ``next_end - slide``;
+    ``next_end`` the end of the next window to report (``None`` while no bid is held).
+
+    Bids may be added in any order and in any cut into calls, as long as a window is advanced only
+    once every bid before its end has been added (its epoch is complete): then a bid never lands in
+    a slice that is already counted, and a bid in a slice before ``next_end``'s can only be one
+    whose windows were skipped while ``counts`` was empty, so ``next_end`` moves back to it.
     """
 
     __slots__ = ("slide", "span", "slices", "counts", "next_end")
@@ -48,15 +53,20 @@ class SlidingCounts:
     def add(self, bids: Any) -> None:
         """Count the bids ``(auction, bidder, price, date_time)`` in their slices."""
         slide, slices = self.slide, self.slices
+        first = None  # the earliest slice this call creates (the only per-slice, not per-bid, work)
         for b in bids:
             k = b[B_TIME] // slide
             sl = slices.get(k)
             if sl is None:
                 sl = slices[k] = {}
+                if first is None or k < first:
+                    first = k
             a = b[B_AUCTION]
             sl[a] = sl.get(a, 0) + 1
-        if self.next_end is None and slices:
-            self.next_end = (min(slices) + 1) * slide  # idle until now: the first window with a bid
+        # A new slice is never counted yet (see the class): one before the slice that ``next_end``
+        # adds next was skipped while no bid was held, so its window is the next to report.
+        if first is not None and (self.next_end is None or (first + 1) * slide < self.next_end):
+            self.next_end = (first + 1) * slide
 
     def advance(self) -> tuple[int, int, int] | None:
         """Close the window ending at ``next_end``: ``(end, auction, count)`` of its top auction
@@ -101,7 +111,10 @@ def q5(s: Streams, p: Params) -> timely.Stream:
         def logic(inp: Any, out: Any) -> None:
             for icap, batch in inp:
                 win.add(batch)
-                assert win.next_end is not None  # a batch holds a bid, so a window is held
+                if win.next_end is None:
+                    continue  # an empty batch
+                # The batch may have moved the next window back (a bid of an earlier slice than
+                # those held): its epoch is still at least the batch's time, so ``delayed`` holds.
                 due = last_epoch(win.next_end, d)
                 if held[0] is None or held[0].time > due:
                     new = icap.delayed(due)
