@@ -91,14 +91,7 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
     if workers == 1 and start == "fork" and timeout is None:
         alloc = ThreadAllocator()
         try:
-            worker = Worker(alloc, args or [], fuzz, watchdog)
-            try:
-                with batch_gc():
-                    result = main(worker)
-                    worker.finish()
-            finally:
-                worker.close()
-            return [result]
+            return [Worker(alloc, args or [], fuzz, watchdog).run(main)]
         finally:
             alloc.close()
     from .cluster import execute_cluster  # validates workers, timeout and start

@@ -384,7 +384,6 @@ def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: li
     ``watchdog_warn`` configure its stuck-operator watchdog. On failure the allocator is closed
     with ``abort`` so the peers learn at once which worker failed.
     """
-    from .collector import batch_gc
     from .comm.zmq_allocator import ZmqAllocator
     from .worker import Worker
 
@@ -394,14 +393,7 @@ def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: li
     gc.collect()
     gc.freeze()
     try:
-        worker = Worker(alloc, list(args), fuzz, watchdog, watchdog_warn)
-        try:
-            with batch_gc():
-                result = main(worker)
-                worker.finish()
-        finally:
-            worker.close()
-        report(result)
+        report(Worker(alloc, list(args), fuzz, watchdog, watchdog_warn).run(main))
     except BaseException as exc:
         reason = "stopped" if isinstance(exc, _Stopped) else f"{type(exc).__name__}: {exc}"
         alloc.close(abort=reason)

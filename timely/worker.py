@@ -4,7 +4,9 @@ from __future__ import annotations
 import contextlib
 import time as _time
 from collections.abc import Callable, Iterator, Sequence, Set
+from typing import Any
 
+from .collector import batch_gc
 from .comm.allocator import Allocator
 from .dataflow.dataflow import Dataflow
 from .dataflow.fuzz import Fuzzer
@@ -121,6 +123,18 @@ class Worker:
     def has_dataflows(self) -> bool:
         """True while some dataflow has not completed."""
         return bool(self._dataflows)
+
+    def run(self, main: Callable[[Worker], Any]) -> Any:
+        """Run ``main(self)`` under the workers' collector settings (:func:`timely.collector.batch_gc`),
+        then close the inputs it left open and run the dataflows to completion; return its result.
+        The worker is closed afterwards, also on failure."""
+        try:
+            with batch_gc():
+                result = main(self)
+                self.finish()
+            return result
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Release what the worker holds outside its dataflows (the watchdog's thread); idempotent."""
