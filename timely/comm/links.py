@@ -164,6 +164,14 @@ class Links:
             if not no_welcome and not no_hello:
                 return
             self.raise_if_failed()
+            now = time.monotonic()
+            for peer in self._suspects:
+                if not (peer.welcomed or peer.goodbye) and now >= peer.lost_deadline:
+                    # Closed before accepting us: a start-up failure (another job's token, a worker
+                    # that could not start), not a lost peer of a running job.
+                    raise HandshakeError(
+                        f"worker {self.index}: worker {peer.index} ({peer.endpoint}) closed its connection during "
+                        "the start-up handshake, before accepting us (another job's token, or it failed to start)")
             self._check_suspects()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -194,6 +202,9 @@ class Links:
             elif kind == Kind.ACK:
                 peer.acked = True
             elif kind == Kind.REJECT:
+                # Answer the greetings already here first: a peer that is rejecting us is likely
+                # being rejected by us too, and should hear why rather than see us vanish.
+                self._drain_router()
                 raise HandshakeError(f"worker {self.index}: the process listening on {peer.endpoint} "
                                      f"(worker {peer.index}'s address) rejected us: {body}")
 
