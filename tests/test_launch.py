@@ -370,6 +370,33 @@ def test_a_worker_terminated_from_outside_is_the_reported_failure(tmp_path, no_l
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_stopped_while_reporting_its_failure_exits_quietly(no_leftovers):
+    # The supervisor, having chosen which failure to report, SIGTERMs a worker that is still
+    # sending the report of its own (secondary) failure: CI once saw a traceback on stderr here.
+    script = textwrap.dedent("""
+        import os, signal, time
+        from timely.cluster import _child
+
+        class StoppedWhileSending:
+            def send_bytes(self, data):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the signal arrives here, as in a pipe write
+            def close(self):
+                pass
+
+        def entry(index, report):
+            raise RuntimeError("secondary failure")
+
+        _child(entry, 0, StoppedWhileSending(), os.getppid())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    no_leftovers.append(proc)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and err == "", err
+
+
+@pytest.mark.timeout(60)
 def test_hangup_stops_every_worker_and_removes_the_socket_folder(tmp_path, no_leftovers):
     job = _job(tmp_path, "forever.py", FOREVER_JOB)
     proc = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job], cwd=ROOT,

@@ -166,28 +166,19 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
 
     code = 0
     try:
-        entry(index, report)
-    except _Stopped:
-        code = 128 + signal.SIGTERM
-    except BaseException as exc:
-        code = 1
-        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[0]
-        if isinstance(exc, OperatorError) and exc.cause.__traceback__ is not None:
-            # The user's exception with its traceback, then one line naming the operator: the
-            # OperatorError's own message and frames would repeat the same traceback twice.
-            text = "".join(traceback.format_exception(type(exc.cause), exc.cause, exc.cause.__traceback__))
-            text += f"\n{summary}\n"
-        else:
-            tb = exc.__traceback__
-            while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
-                tb = tb.tb_next  # start the traceback at the job's code, not at the runner's frames
-            text = "".join(traceback.format_exception(type(exc), exc, tb))
-        operator, cause = (exc.operator, _pickled(exc.cause)) if isinstance(exc, OperatorError) else (None, None)
         try:
-            conn.send_bytes(pickle.dumps(("error", text, summary, isinstance(exc, PeerLost), operator, cause)))
-        except Exception:
-            pass
+            entry(index, report)
+        except _Stopped:
+            code = 128 + signal.SIGTERM
+        except BaseException as exc:
+            code = 1
+            _report_failure(conn, exc)
+    except _Stopped:
+        # SIGTERM while reporting a failure: the supervisor has already chosen which failure to
+        # report and is stopping everyone; ours is not needed, and must not print a traceback.
+        pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the end is near: no _Stopped from here on
         try:
             conn.close()
         except Exception:
@@ -195,6 +186,26 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)  # not the interpreter's teardown: seconds for a large heap, before the parent sees the end
+
+
+def _report_failure(conn: multiprocessing.connection.Connection, exc: BaseException) -> None:
+    """Send the supervisor the text of a worker's failure ``exc``, its summary and operator."""
+    summary = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[0]
+    if isinstance(exc, OperatorError) and exc.cause.__traceback__ is not None:
+        # The user's exception with its traceback, then one line naming the operator: the
+        # OperatorError's own message and frames would repeat the same traceback twice.
+        text = "".join(traceback.format_exception(type(exc.cause), exc.cause, exc.cause.__traceback__))
+        text += f"\n{summary}\n"
+    else:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
+            tb = tb.tb_next  # start the traceback at the job's code, not at the runner's frames
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    operator, cause = (exc.operator, _pickled(exc.cause)) if isinstance(exc, OperatorError) else (None, None)
+    try:
+        conn.send_bytes(pickle.dumps(("error", text, summary, isinstance(exc, PeerLost), operator, cause)))
+    except Exception:
+        pass
 
 
 def _pickled(cause: BaseException) -> tuple[bytes | None, str]:
