@@ -10,28 +10,34 @@ those whose effect would depend on their order. The records and their validation
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import timely
 
-from .table import TableError, move_updates, validate_k, validate_update
+from .table import TableError, move_updates, validate_k, validate_move, validate_table
 
 
 class ControlInput:
     """A validating wrapper around the control input handle of ``2**k`` bins.
 
     Every worker creates one (and advances it in step with its data input); usually only one worker
-    (worker 0) sends updates. Invalid updates raise :class:`~megaphone.table.TableError` before
-    anything enters the dataflow, so a bad request never damages running state.
+    (worker 0) sends updates. Invalid updates raise :class:`~megaphone.table.TableError`, naming
+    the input (``name``) and the call, before anything enters the dataflow, so a bad request never
+    damages running state. Bins and workers may be numpy integers; they are sent as ``int``.
     """
 
     def __init__(self, scope: timely.Scope, k: int = 8, name: str = "Control") -> None:
+        self.name = name
         self.k = validate_k(k)
         self.nbins = 1 << k
         self.peers = scope.peers
         self.handle = scope.new_input(name)
         self.stream = self.handle.stream
+        #: The job secret of the worker that built this input (:attr:`timely.Worker.secret`): the
+        #: default of a :class:`~megaphone.endpoint.ControlEndpoint` serving its controller.
+        self.secret = getattr(scope.worker, "secret", None)
         self._sent: tuple[Any, tuple | None, dict[int, int]] = (None, None, {})  # (time, table, moves) sent then
 
     @property
@@ -45,23 +51,34 @@ class ControlInput:
         return bool(self.handle.closed)
 
     def move(self, bin: int, worker: int) -> None:
-        """From the current time on, ``bin`` lives on ``worker``."""
+        """From the current time on, ``bin`` lives on ``worker`` (integers: ``int`` or numpy's)."""
         self.moves({bin: worker})
 
     def moves(self, assignment: Mapping[int, int]) -> None:
         """Several moves at the current time (``{bin: worker}``), validated together first."""
-        updates = move_updates(assignment)
-        for u in updates:
-            validate_update(u, self.nbins, self.peers)
-        self._record(None, dict(assignment))
-        self.handle.send_batch(updates)
+        with self._naming("moves"):
+            if not isinstance(assignment, Mapping):
+                raise TableError(f"expected a {{bin: worker}} mapping, not {type(assignment).__name__} "
+                                 f"{assignment!r:.60}")
+            checked = dict(validate_move(b, w, self.nbins, self.peers) for b, w in assignment.items())
+            self._record(None, checked)
+        self.handle.send_batch(move_updates(checked))
 
     def install(self, table: Sequence[int]) -> None:
-        """From the current time on, use the routing ``table`` (one worker per bin)."""
-        u = ("table", tuple(table))
-        validate_update(u, self.nbins, self.peers)
-        self._record(u[1], {})
-        self.handle.send(u)
+        """From the current time on, use the routing ``table``: a sequence of ``2**k`` worker
+        indices, one per bin."""
+        with self._naming("install"):
+            checked = validate_table(table, self.nbins, self.peers)
+            self._record(checked, {})
+        self.handle.send(("table", checked))
+
+    @contextlib.contextmanager
+    def _naming(self, method: str) -> Iterator[None]:
+        """Prefix the :class:`TableError` raised in the block with this input's name and ``method``."""
+        try:
+            yield
+        except TableError as e:
+            raise TableError(f"control input '{self.name}', {method}(): {e}") from None
 
     def _record(self, table: tuple | None, moves: dict[int, int]) -> None:
         """Note updates about to be sent at the current time; raise :class:`TableError` (sending

@@ -140,12 +140,13 @@ class Controller:
         """
         checked: list[Step] = []
         for i, step in enumerate(steps):
-            moves = dict(step)
-            for b, w in moves.items():
+            moves = {}
+            for b, w in dict(step).items():
                 try:
-                    validate_move(b, w, self.nbins, self.peers)
+                    b, w = validate_move(b, w, self.nbins, self.peers)  # numpy integers become ints
                 except TableError as e:
                     raise TableError(f"step {i}: {e}") from None
+                moves[b] = w
             if moves:
                 checked.append(moves)
         mid = self._migrations

@@ -14,21 +14,38 @@ msgpack maps, or JSON objects (a payload starting with ``{``); a reply uses the 
   "steps": n, "moves": m, "strategy": s}``.
 
 An invalid request gets ``{"ok": false, "error": "..."}`` and changes nothing.
+
+Everything that arrives is from outside the job, so nothing that arrives can end it: a message
+larger than ``max_message_bytes`` is refused by ZeroMQ itself (``ZMQ_MAXMSGSIZE``: the
+connection is dropped before the message is buffered whole), a message that is not one request
+frame behind a routing envelope is dropped and logged (logger ``megaphone.endpoint``), and a
+payload that does not decode, or decodes to no valid request, gets an error reply. With a job
+secret (:class:`~timely.comm.secret.JobSecret`; by default the worker's, :attr:`Worker.secret
+<timely.worker.Worker.secret>`) the endpoint is a CURVE server that admits only clients holding
+the secret; :func:`request` and :func:`call` take it as ``secret``, by default from the environment
+(``TIMELY_SECRET`` / ``TIMELY_SECRET_FILE``), as ``python -m megaphone.rebalance`` does.
 """
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
 import zmq
 
+from timely.comm.secret import JobSecret, resolve
 from timely.errors import TimelyError
 
 from .controller import Controller
 from .plan import STRATEGIES
 from .table import apply, balanced, move_updates, validate_move
+
+#: Largest request (bytes) a control endpoint accepts by default.
+MAX_REQUEST_BYTES = 1 << 20
+
+_log = logging.getLogger(__name__)
 
 
 class RequestError(TimelyError, ValueError):
@@ -89,18 +106,30 @@ class ControlEndpoint:
     Binds a ZeroMQ ROUTER socket at ``endpoint`` (``tcp://127.0.0.1:*`` picks a free port; the bound
     address is :attr:`endpoint`; :class:`EndpointError` if it cannot be bound). It is polled without
     blocking from :meth:`Controller.tick`, so requests are answered between driver iterations and
-    never stall the worker. The protocol is in the module documentation.
+    never stall the worker. The protocol is in the module documentation. A request larger than
+    ``max_message_bytes`` drops its connection; ``secret`` (default: the job secret of the worker
+    that built the controller's control input, if any) makes the endpoint a CURVE server for the
+    holders of that secret only. :attr:`requests` counts the requests answered, :attr:`dropped`
+    the messages dropped as malformed.
     """
 
     def __init__(self, controller: Controller, endpoint: str = "tcp://127.0.0.1:*",
-                 routing_table: Callable[[], Sequence[int]] | None = None, max_requests: int = 16) -> None:
+                 routing_table: Callable[[], Sequence[int]] | None = None, max_requests: int = 16, *,
+                 secret: JobSecret | None = None, max_message_bytes: int = MAX_REQUEST_BYTES) -> None:
         self.controller = controller
         self.routing_table = routing_table
         self.max_requests = max_requests
         self.requests = 0
+        self.dropped = 0
+        if secret is None:
+            secret = getattr(controller.control, "secret", None)
         self._ctx = zmq.Context()
+        self._guard = secret.guard(self._ctx) if secret is not None else None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if secret is not None:
+            secret.serve(self._sock)
         try:
             self._sock.bind(endpoint)
         except zmq.ZMQError as e:
@@ -120,14 +149,26 @@ class ControlEndpoint:
             except zmq.Again:
                 break
             n += 1
-            self.requests += 1
+            # [identity, b"", request] from a REQ socket, [identity, request] from a DEALER: the
+            # reply goes back behind the same envelope. Anything else is not a request.
             envelope, payload = frames[:-1], frames[-1]
+            if len(envelope) > 2 or any(envelope[1:]):
+                self._drop(f"{len(frames)} frames, not a routing envelope and one request")
+                continue
+            self.requests += 1
             is_json = payload[:1] == b"{"
             try:
                 self._sock.send_multipart([*envelope, _encode(self.handle(payload), is_json)], zmq.NOBLOCK)
             except zmq.Again:
                 pass  # the client went away: ROUTER drops the reply
         return n
+
+    def _drop(self, why: str) -> None:
+        """Count and log (the 1st, 2nd, 4th, 8th... time: a flood cannot flood the log) a dropped message."""
+        self.dropped += 1
+        if self.dropped & (self.dropped - 1) == 0:
+            _log.warning("control endpoint %s dropped a malformed message (%s); %d dropped so far",
+                         self.endpoint, why, self.dropped)
 
     def handle(self, payload: bytes) -> dict[str, Any]:
         """Decode and answer one request (never raises: errors become error replies)."""
@@ -204,9 +245,12 @@ class ControlEndpoint:
         return {"migration": mid, "steps": len(steps), "moves": sum(len(e.moves) for e in steps), "strategy": strategy}
 
     def close(self) -> None:
-        """Close the socket (pending requests are dropped)."""
+        """Close the socket (pending requests are dropped); idempotent."""
         if not self._sock.closed:
             self._sock.close(0)
+        if self._guard is not None:
+            self._guard.stop()  # (after the socket: the guard serves the context's servers)
+            self._guard = None
         if not self._ctx.closed:
             self._ctx.term()
 
@@ -219,16 +263,22 @@ class ControlEndpoint:
 
 # -- the client side ----------------------------------------------------------------------------
 
-def request(endpoint: str, req: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+def request(endpoint: str, req: dict[str, Any], timeout: float = 5.0,
+            secret: str | JobSecret | None = None) -> dict[str, Any]:
     """Send one msgpack request to ``endpoint``; return the decoded reply.
 
     Uses a fresh REQ socket per request (closed without lingering), so a job that does not answer
-    leaves nothing behind. Raises :class:`EndpointError` if the endpoint cannot be reached or did
-    not answer within ``timeout`` seconds.
+    leaves nothing behind. ``secret`` (text or keys; default: ``TIMELY_SECRET`` /
+    ``TIMELY_SECRET_FILE``, else none) is the job's: an endpoint with a secret answers only its
+    holders. Raises :class:`EndpointError` if the endpoint cannot be reached or did not answer
+    within ``timeout`` seconds (as when the secrets differ).
     """
+    keys = resolve(secret)
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        if keys is not None:
+            keys.connect(sock)
         sock.connect(endpoint)
         sock.send(_encode(req, False))
         if not sock.poll(int(timeout * 1000), zmq.POLLIN):
@@ -240,9 +290,10 @@ def request(endpoint: str, req: dict[str, Any], timeout: float = 5.0) -> dict[st
         sock.close(0)
 
 
-def call(endpoint: str, req: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+def call(endpoint: str, req: dict[str, Any], timeout: float = 5.0,
+         secret: str | JobSecret | None = None) -> dict[str, Any]:
     """:func:`request`, raising :class:`RequestError` (with the job's message) on an error reply."""
-    reply = request(endpoint, req, timeout)
+    reply = request(endpoint, req, timeout, secret)
     if not isinstance(reply, dict) or not reply.get("ok"):
         error = reply.get("error") if isinstance(reply, dict) else repr(reply)
         raise RequestError(f"{endpoint} rejected the request: {error}")

@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from timely.comm.secret import JobSecret, SecretError, resolve
+
 from .endpoint import EndpointError, RequestError, call
 from .plan import STRATEGIES
 
@@ -59,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")
     p.add_argument("--no-wait", action="store_true", help="submit the request and exit without following it")
     p.add_argument("--interval", type=float, default=0.1, help="seconds between status polls (default 0.1)")
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="the job secret, if the job has one (default: $TIMELY_SECRET, then $TIMELY_SECRET_FILE)")
     return p
 
 
@@ -67,9 +71,9 @@ def _fmt_bins(bins: Sequence[int], limit: int = 8) -> str:
     return f"[{shown}{', ...' if len(bins) > limit else ''}]"
 
 
-def _print_status(endpoint: str, timeout: float, out: Any) -> None:
-    t = call(endpoint, {"op": "table"}, timeout)
-    s = call(endpoint, {"op": "status"}, timeout)
+def _print_status(endpoint: str, timeout: float, out: Any, secret: JobSecret | None = None) -> None:
+    t = call(endpoint, {"op": "table"}, timeout, secret)
+    s = call(endpoint, {"op": "status"}, timeout, secret)
     print(f"table ({t['nbins']} bins, {t['peers']} workers): {','.join(map(str, t['table']))}", file=out)
     if "routing_table" in t:
         print(f"operator routing table: {','.join(map(str, t['routing_table']))}", file=out)
@@ -80,7 +84,8 @@ def _print_status(endpoint: str, timeout: float, out: Any) -> None:
               f"bins {_fmt_bins(ev['bins'])}, {ev.get('elapsed', 0.0) * 1000:.1f} ms so far", file=out)
 
 
-def follow(endpoint: str, migration: int, total: int, timeout: float, interval: float, out: Any) -> None:
+def follow(endpoint: str, migration: int, total: int, timeout: float, interval: float, out: Any,
+           secret: JobSecret | None = None) -> None:
     """Poll the status of ``migration`` and print each step as it completes, until all are done."""
     bar = None
     try:
@@ -95,7 +100,7 @@ def follow(endpoint: str, migration: int, total: int, timeout: float, interval: 
     last: float | None = None
     try:
         while True:
-            s = call(endpoint, {"op": "status", "migration": migration, "since": seen}, timeout)
+            s = call(endpoint, {"op": "status", "migration": migration, "since": seen}, timeout, secret)
             for ev in s["completed"]:
                 first = ev["issued_at"] if first is None else min(first, ev["issued_at"])
                 last = ev["completed_at"] if last is None else max(last, ev["completed_at"])
@@ -134,18 +139,23 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
     else:
         req = {}
     try:
+        secret = resolve(None, args.secret_file)
+    except SecretError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         if not req:
             if not args.status:
                 cli.error("give --table, --balanced, --move or --status")
-            _print_status(args.endpoint, args.timeout, out)
+            _print_status(args.endpoint, args.timeout, out, secret)
             return 0
-        reply = call(args.endpoint, req, args.timeout)
+        reply = call(args.endpoint, req, args.timeout, secret)
         mid, steps = reply["migration"], reply["steps"]
         print(f"migration {mid}: {reply['moves']} bins in {steps} steps ({reply['strategy']})", file=out, flush=True)
         if not args.no_wait:
-            follow(args.endpoint, mid, steps, args.timeout, args.interval, out)
+            follow(args.endpoint, mid, steps, args.timeout, args.interval, out, secret)
         if args.status:
-            _print_status(args.endpoint, args.timeout, out)
+            _print_status(args.endpoint, args.timeout, out, secret)
         return 0
     except RequestError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,10 +9,13 @@ from a time on:
 * ``("table", (w_0, ..., w_{nbins-1}))``: a whole new table.
 
 Every check that a bin, a worker or a table exists and fits the configuration is made here and
-raises :class:`TableError`.
+raises :class:`TableError`. Bins and workers are integers: Python's, or any other
+:class:`numbers.Integral` (numpy's ``int64`` and the like), which the checks return as ``int``;
+booleans are refused.
 """
 from __future__ import annotations
 
+import numbers
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -38,10 +41,16 @@ def validate_k(k: Any) -> int:
     return k
 
 
+def _is_int(x: Any) -> bool:
+    """True for an integer (an ``int`` or a numpy integer, any :class:`numbers.Integral`) that is
+    not a boolean."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _problem(index: Any, count: int | None, noun: str) -> str | None:
     """Why ``index`` is not one of ``count`` ``noun``s numbered from 0 (any non-negative integer if
     ``count`` is None), or None if it is one."""
-    if isinstance(index, bool) or not isinstance(index, int):
+    if not _is_int(index):
         return f"{noun} {index!r} is not an integer"
     if index < 0:
         return f"{noun} {index} does not exist ({noun}s are numbered from 0)"
@@ -50,37 +59,40 @@ def _problem(index: Any, count: int | None, noun: str) -> str | None:
     return None
 
 
-def validate_move(bin: Any, worker: Any, nbins: int, peers: int) -> None:
-    """Raise :class:`TableError` unless ``bin`` is one of ``nbins`` bins and ``worker`` one of
-    ``peers`` workers."""
+def validate_move(bin: Any, worker: Any, nbins: int, peers: int) -> tuple[int, int]:
+    """``(bin, worker)`` as ints, once checked that ``bin`` is one of ``nbins`` bins and ``worker``
+    one of ``peers`` workers; raises :class:`TableError` otherwise."""
     problem = _problem(bin, nbins, "bin") or _problem(worker, peers, "worker")
     if problem:
         raise TableError(f"move of bin {bin!r} to worker {worker!r}: {problem}")
+    return int(bin), int(worker)
 
 
 def validate_table(table: Any, nbins: int | None = None, peers: int | None = None, what: str = "routing") -> Table:
-    """``table`` as a tuple, once checked: a sequence of worker indices, ``nbins`` of them if given,
-    each below ``peers`` if given. Raises :class:`TableError`; ``what`` names the table in it."""
-    if not isinstance(table, Sequence) or isinstance(table, (str, bytes)):
-        raise TableError(f"{what} table must be a sequence of workers, one per bin, not {type(table).__name__}")
+    """``table`` as a tuple of ints, once checked: a sequence (or one-dimensional numpy array) of
+    worker indices, ``nbins`` of them if given, each below ``peers`` if given. Raises
+    :class:`TableError`; ``what`` names the table in it."""
+    if not (isinstance(table, Sequence) or getattr(table, "ndim", None) == 1) or isinstance(table, (str, bytes)):
+        expected = f"{nbins} workers" if nbins is not None else "workers"
+        raise TableError(f"{what} table must be a sequence of {expected}, one per bin, "
+                         f"not {type(table).__name__} {table!r:.60}")
     if nbins is not None and len(table) != nbins:
         raise TableError(f"{what} table has {len(table)} entries, expected one per bin ({nbins})")
     for b, w in enumerate(table):
         problem = _problem(w, peers, "worker")
         if problem:
             raise TableError(f"{what} table, bin {b}: {problem}")
-    return tuple(table)
+    return tuple(int(w) for w in table)
 
 
-def validate_update(update: Any, nbins: int, peers: int) -> None:
-    """Raise :class:`TableError` unless ``update`` is a control record (see the module
-    documentation) whose bins and workers exist."""
+def validate_update(update: Any, nbins: int, peers: int) -> Update:
+    """``update`` as a control record of ints (see the module documentation), once checked that it
+    is one and that its bins and workers exist; raises :class:`TableError` otherwise."""
     if isinstance(update, (tuple, list)) and len(update) == 3 and update[0] == "move":
-        validate_move(update[1], update[2], nbins, peers)
-    elif isinstance(update, (tuple, list)) and len(update) == 2 and update[0] == "table":
-        validate_table(update[1], nbins, peers)
-    else:
-        raise TableError(f"control record {update!r:.200} is not ('move', bin, worker) or ('table', (worker per bin...))")
+        return ("move", *validate_move(update[1], update[2], nbins, peers))
+    if isinstance(update, (tuple, list)) and len(update) == 2 and update[0] == "table":
+        return ("table", validate_table(update[1], nbins, peers))
+    raise TableError(f"control record {update!r:.200} is not ('move', bin, worker) or ('table', (worker per bin...))")
 
 
 def move_updates(moves: Mapping[int, int]) -> list[Update]:

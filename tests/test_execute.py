@@ -213,3 +213,70 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# -- the job secret --------------------------------------------------------------------------------
+def _secret_of(worker: timely.Worker):
+    return worker.secret
+
+
+@pytest.mark.timeout(60)
+def test_worker_secret_is_none_without_one_and_the_job_secret_with_one(no_leftovers, monkeypatch):
+    from timely.comm.secret import ENV, ENV_FILE, JobSecret
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    assert timely.execute(_secret_of, workers=1) == [None]
+    assert timely.execute(_secret_of, workers=2, timeout=50) == [None, None]
+    keys = JobSecret.from_text("s3cret")
+    assert timely.execute(_secret_of, workers=1, secret="s3cret") == [keys]  # in process
+    assert timely.execute(_secret_of, workers=1, secret=keys) == [keys]
+    monkeypatch.setenv(ENV, "s3cret")
+    assert timely.execute(_secret_of, workers=1) == [keys]  # the environment's, as the launcher's
+
+    def assign(worker):
+        worker.secret = keys
+
+    with pytest.raises(AttributeError):
+        timely.execute(assign, workers=1)
+    assert timely.execute(_secret_of, workers=2, timeout=50, secret="s3cret") == [keys, keys]
+
+
+SECRET_JOB = """
+    import sys
+
+    from timely.comm.secret import JobSecret
+
+    def main(worker):
+        expected = JobSecret.from_text(worker.args[0]) if worker.args else None
+        # one write per line: the workers share the launcher's stdout
+        sys.stdout.write(f"SECRET {worker.index} {worker.secret == expected} {worker.secret is None}\\n")
+        sys.stdout.flush()
+"""
+
+
+def _launch(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TIMELY_SECRET")}
+    return subprocess.run([sys.executable, "-m", "timely.launch", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=50, env={**clean, **(env or {})})
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_resolves_the_secret_once_and_refuses_a_bad_file(tmp_path, no_leftovers):
+    job = tmp_path / "job.py"
+    job.write_text(textwrap.dedent(SECRET_JOB))
+    run = _launch("-w", "1", str(job))
+    assert run.returncode == 0 and "SECRET 0 True True" in run.stdout, run.stderr
+    missing = tmp_path / "no-such-secret"
+    run = _launch("-w", "2", "--secret-file", str(missing), str(job))
+    assert run.returncode == 2 and not run.stdout
+    assert f"cannot read the job secret file {missing}" in run.stderr, run.stderr
+    empty = tmp_path / "empty-secret"
+    empty.write_text("\n")
+    run = _launch("-w", "2", str(job), env={"TIMELY_SECRET_FILE": str(empty)})
+    assert run.returncode == 2 and f"the job secret is empty (file {empty})" in run.stderr, run.stderr
+    good = tmp_path / "secret"
+    good.write_text("s3cret\n")
+    run = _launch("-w", "2", "--secret-file", str(good), str(job), "s3cret")
+    assert run.returncode == 0, run.stderr
+    assert sorted(run.stdout.splitlines()) == ["SECRET 0 True False", "SECRET 1 True False"]

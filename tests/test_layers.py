@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 #: What code outside the engine may import from it.
-PUBLIC = {"timely", "timely.routing", "timely.errors", "timely.testing", "timely.collector", "timely.launch"}
+PUBLIC = {"timely", "timely.routing", "timely.errors", "timely.testing", "timely.collector", "timely.launch",
+          "timely.comm.secret"}  # the job secret: the bridge and Megaphone's endpoint secure their sockets with it
 CLIENTS = ["megaphone", "spark_bridge", "nexmark", "pyspark_timely", "examples"]
 
 
@@ -70,7 +71,8 @@ def test_clients_import_only_the_public_engine(package):
 LAYERS = {
     "timely.progress": set(),
     "timely.comm": set(),
-    "timely.dataflow": {"timely.progress", "timely.routing"},
+    # comm.errors: a channel splits a batch the allocator refuses as too large (MessageTooLarge)
+    "timely.dataflow": {"timely.progress", "timely.routing", "timely.comm.errors"},
 }
 # Within timely.dataflow: a module imports only modules of a lower rank.
 DATAFLOW_RANK = {

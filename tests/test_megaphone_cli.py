@@ -182,6 +182,14 @@ def test_cli_main_in_process_reports_timeout(capsys):
         request("nowhere://at-all", {"op": "table"})
     assert isinstance(e.value, TimelyError) and isinstance(e.value, OSError)
 
+@pytest.mark.timeout(30)
+def test_cli_with_an_unusable_secret_file_is_a_usage_error(tmp_path, capsys):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    missing = tmp_path / "no-such-secret"
+    assert cli_main(["--endpoint", endpoint, "--status", "--secret-file", str(missing)]) == 2
+    assert f"cannot read the job secret file {missing}" in capsys.readouterr().err
+
+
 def cli_cluster_job(worker, k: int, port: int, epochs: int):
     """Worker 0 serves a control endpoint on ``port`` and runs until one migration requested through
     it has completed (or 60 s pass); the other workers send their data and close their inputs."""

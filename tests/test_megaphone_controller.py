@@ -12,6 +12,7 @@ import functools
 import random
 import time
 
+import numpy as np
 import pytest
 from conftest import norm
 from hypothesis import given, settings
@@ -22,7 +23,7 @@ import timely
 from megaphone.control import ControlInput
 from megaphone.controller import Controller, StepEvent
 from megaphone.plan import plan
-from megaphone.table import TableError, balanced, skewed
+from megaphone.table import TableError, balanced, skewed, validate_move, validate_table, validate_update
 
 
 @pytest.mark.timeout(30)
@@ -119,14 +120,16 @@ def control_input_job(worker):
                 errors.append(str(e))
         old = ControlInput(scope, k=3)
     for bad in (lambda: control.move(4, 0), lambda: control.move(0, 1), lambda: control.moves({0: 0, 1: 5}),
-                lambda: control.install([0, 0, 0]), lambda: control.install([0, 0, 0, "0"])):
+                lambda: control.install([0, 0, 0]), lambda: control.install([0, 0, 0, "0"]),
+                lambda: control.install(None), lambda: control.moves([(0, 0)]),
+                lambda: control.move(np.bool_(True), 0), lambda: control.install([0, 0, False, 0])):
         try:
             bad()
         except TableError as e:
             errors.append(str(e))
-    control.moves({3: 0, 1: 0})
+    control.moves({3: 0, np.int64(1): np.int32(0)})  # numpy integers are bins and workers too
     control.advance_to(1)
-    control.install([0, 0, 0, 0])
+    control.install(np.zeros(4, dtype=np.int64))
     control.close()
     old.close()
     closed = control.closed
@@ -141,16 +144,39 @@ def test_control_input_validates_before_sending():
         "k is the exponent of 2^k bins, an integer from 0 to 16, not 17",
         "k is the exponent of 2^k bins, an integer from 0 to 16, not -1",
         "k is the exponent of 2^k bins, an integer from 0 to 16, not True",
-        "move of bin 4 to worker 0: bin 4 does not exist (there are 4 bins)",
-        "move of bin 0 to worker 1: worker 1 does not exist (there are 1 workers)",
-        "move of bin 1 to worker 5: worker 5 does not exist (there are 1 workers)",
-        "routing table has 3 entries, expected one per bin (4)",
-        "routing table, bin 3: worker '0' is not an integer",
+        "control input 'Control', moves(): move of bin 4 to worker 0: bin 4 does not exist (there are 4 bins)",
+        "control input 'Control', moves(): move of bin 0 to worker 1: worker 1 does not exist (there are 1 workers)",
+        "control input 'Control', moves(): move of bin 1 to worker 5: worker 5 does not exist (there are 1 workers)",
+        "control input 'Control', install(): routing table has 3 entries, expected one per bin (4)",
+        "control input 'Control', install(): routing table, bin 3: worker '0' is not an integer",
+        "control input 'Control', install(): routing table must be a sequence of 4 workers, one per bin, "
+        "not NoneType None",
+        "control input 'Control', moves(): expected a {bin: worker} mapping, not list [(0, 0)]",
+        "control input 'Control', moves(): move of bin np.True_ to worker 0: bin np.True_ is not an integer",
+        "control input 'Control', install(): routing table, bin 2: worker False is not an integer",
     ]
-    # Nothing of a rejected call entered the dataflow (not even the valid move of {0: 0, 1: 5}).
-    assert [(t, sorted(batch)) for t, batch in res["records"]] == [
-        (0, [("move", 1, 0), ("move", 3, 0)]), (1, [("table", (0, 0, 0, 0))])]
+    # Nothing of a rejected call entered the dataflow (not even the valid move of {0: 0, 1: 5}), and
+    # numpy integers entered it as ints.
+    records = [(t, sorted(batch)) for t, batch in res["records"]]
+    assert records == [(0, [("move", 1, 0), ("move", 3, 0)]), (1, [("table", (0, 0, 0, 0))])]
+    assert all(type(x) is int for _, batch in records for u in batch for x in (u[1:] if u[0] == "move" else u[1]))
     assert res["closed"] and res["old"] == (3, 8)
+
+
+def test_validation_takes_numpy_integers_as_ints_and_refuses_bools():
+    assert validate_move(np.int64(3), np.uint8(1), 4, 2) == (3, 1)
+    assert validate_update(("move", np.int32(2), np.int64(0)), 4, 2) == ("move", 2, 0)
+    for table in ([np.int64(0), 1, np.int16(1), 0], np.array([0, 1, 1, 0])):
+        checked = validate_table(table, 4, 2)
+        assert checked == (0, 1, 1, 0) and all(type(w) is int for w in checked)
+        assert validate_update(("table", table), 4, 2) == ("table", (0, 1, 1, 0))
+    for bad in (np.bool_(True), True, 1.0, "1"):
+        with pytest.raises(TableError, match="is not an integer"):
+            validate_move(bad, 0, 4, 2)
+    with pytest.raises(TableError, match=r"bin 4 does not exist \(there are 4 bins\)"):
+        validate_move(np.int64(4), 0, 4, 2)
+    with pytest.raises(TableError, match="must be a sequence of 4 workers, one per bin, not NoneType None"):
+        validate_table(None, 4, 2)
 
 
 # -- a live keyed count ------------------------------------------------------------------------

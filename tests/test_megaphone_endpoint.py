@@ -1,20 +1,30 @@
 """The controller's control endpoint (``megaphone.endpoint``): it answers table / status / rebalance
 requests in msgpack or JSON from a controller's ``tick``, and rejects bad requests and undecodable
-payloads without changing anything. Driven against a fake control input and probe.
+payloads without changing anything. Driven against a fake control input and probe; then a job
+secret (CURVE) and a live job under a flood of random, truncated, oversized and misframed messages.
 """
 from __future__ import annotations
 
+import functools
 import json
+import random
+import socket
+import threading
 import time
 
 import msgpack
 import pytest
 import zmq
-from megaphone_jobs import FakeControl, FakeProbe
+from conftest import norm
+from megaphone_jobs import FakeControl, FakeProbe, LiveCount, observed_count, sequential_count
 
+import timely
+from megaphone.control import ControlInput
 from megaphone.controller import Controller
-from megaphone.endpoint import ControlEndpoint, EndpointError
-from megaphone.table import balanced
+from megaphone.endpoint import ControlEndpoint, EndpointError, call, request
+from megaphone.table import balanced, skewed
+from timely.comm.endpoints import free_loopback_ports
+from timely.comm.secret import ENV, ENV_FILE, JobSecret
 
 
 def ask(ctl: Controller, ep: ControlEndpoint, payload: bytes, timeout: float = 10.0) -> bytes:
@@ -140,3 +150,173 @@ def test_endpoint_poll_never_blocks(fake_endpoint):
     assert time.monotonic() - t0 < 1.0
     with pytest.raises(EndpointError, match="cannot bind"):
         ControlEndpoint(ctl, ep.endpoint)  # the address is taken
+
+
+# -- hostile clients: a job secret, and random frames ---------------------------------------------------
+class Ticking:
+    """A controller ticked by a thread, with an endpoint built by ``make(controller)``."""
+
+    def __init__(self, make) -> None:
+        self.control, self.probe = FakeControl(k=3, peers=3), FakeProbe()
+        self.ctl = Controller(self.control, self.probe)
+        self.make = make
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.ctl.tick()
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self.ep = self.make(self.ctl)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.ep.close()
+
+
+@pytest.mark.timeout(30)
+def test_with_a_secret_the_endpoint_answers_only_its_holders(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    keys = JobSecret.from_text("s3cret")
+
+    def with_the_controls_secret(ctl):
+        ctl.control.secret = keys  # what a ControlInput built on a worker with a secret holds
+        return ControlEndpoint(ctl, "tcp://127.0.0.1:*")
+
+    with Ticking(with_the_controls_secret) as job:
+        ep = job.ep.endpoint
+        assert request(ep, {"op": "table"}, 10, secret="s3cret")["ok"]
+        assert request(ep, {"op": "table"}, 10, secret=keys)["ok"]
+        for wrong in (None, "guess"):
+            with pytest.raises(EndpointError, match="did not answer within 0.5 s"):
+                request(ep, {"op": "rebalance", "balanced": True}, 0.5, secret=wrong)
+        monkeypatch.setenv(ENV, "s3cret")  # the client's default, as the rebalance CLI's
+        assert call(ep, {"op": "status"}, 10)["ok"]
+        assert job.ctl.migrations == 0 and job.ep.requests == 3
+
+
+def _secret_of_control(worker):
+    with worker.dataflow() as scope:
+        control = ControlInput(scope, k=1)
+    control.close()
+    return control.secret
+
+
+@pytest.mark.timeout(30)
+def test_a_control_input_carries_its_workers_secret(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    assert timely.execute(_secret_of_control, secret="s3cret") == [JobSecret.from_text("s3cret")]
+    assert timely.execute(_secret_of_control) == [None]
+
+
+def fuzzed_job(worker, k: int, port: int, epochs: int):
+    """Worker 0 serves a control endpoint (requests of at most 4 KiB) on ``port`` and counts until a
+    migration requested through it has completed; the other workers only take part."""
+    job = LiveCount(worker, k)
+    dropped = 0
+    if worker.index == 0:
+        ctl = Controller(job.control, job.machine.probe)
+        ep = ControlEndpoint(ctl, f"tcp://127.0.0.1:{port}", max_message_bytes=4096)
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline and not (ctl.events and not ctl.busy):
+                e = job.epoch
+                job.advance([(f"k{(e * 7 + i) % 50}", 1) for i in range(10)] if e < epochs else [], ctl)
+                time.sleep(0.002)
+            for _ in range(20):  # answer the test's last polls
+                ctl.tick()
+                time.sleep(0.01)
+            dropped = ep.dropped
+        finally:
+            ep.close()
+    outputs = job.finish()
+    return {"sent": job.sent, "outputs": outputs, "table": list(job.machine.routing_table()), "dropped": dropped}
+
+
+def _fuzz(port: int, seconds: float, seed: int) -> int:
+    """Throw random, truncated, oversized and misframed messages at ``port`` for ``seconds``; return how
+    many. Never a valid rebalance request: the job's routing must stay the test's."""
+    rng = random.Random(seed)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    ctx = zmq.Context()
+    dealers = []
+    for _ in range(3):
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(endpoint)
+        dealers.append(d)
+    valid = [msgpack.packb({"op": "rebalance", "balanced": True}), json.dumps({"op": "rebalance", "moves": [[1, 0]]}).encode()]
+    sent = 0
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            kind = rng.randrange(6)
+            d = rng.choice(dealers)
+            if kind == 0:  # random frames
+                d.send_multipart([rng.randbytes(rng.randrange(64)) for _ in range(rng.randrange(1, 5))])
+            elif kind == 1:  # a valid request cut short
+                whole = rng.choice(valid)
+                d.send(whole[:rng.randrange(len(whole))])
+            elif kind == 2:  # more than the limit: ZeroMQ drops the connection (the DEALER reconnects)
+                d.send(b"{" + rng.randbytes(8192))
+            elif kind == 3:  # a request behind a wrong envelope
+                d.send_multipart([b"x", b"", rng.choice(valid)])
+            elif kind == 4:  # read-only requests are fine to answer
+                d.send_multipart([b"", msgpack.packb({"op": rng.choice(["table", "status", "nope"])})])
+            else:  # not ZeroMQ at all
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as raw:
+                    raw.sendall(rng.choice([b"\xff" + rng.randbytes(20), rng.randbytes(rng.randrange(1, 200))]))
+            sent += 1
+            for s in dealers:  # drain the replies
+                while s.poll(0):
+                    s.recv_multipart()
+            time.sleep(0.001)
+    finally:
+        for d in dealers:
+            d.close(0)
+        ctx.term()
+    return sent
+
+
+@pytest.mark.timeout(120)
+def test_random_frames_never_hurt_the_job(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    k, port = 4, free_loopback_ports(1)[0]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    box: dict = {}
+
+    def target():
+        try:
+            box["results"] = timely.execute(functools.partial(fuzzed_job, k=k, port=port, epochs=200), workers=2,
+                                            timeout=100)
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # wait for the job to come up
+            try:
+                assert request(endpoint, {"op": "table"}, 0.5)["ok"]
+                break
+            except EndpointError:
+                assert time.monotonic() < deadline and "error" not in box, box.get("error")
+        assert _fuzz(port, 2.0, seed=13) > 100
+        goal = skewed(balanced(1 << k, 2))
+        assert call(endpoint, {"op": "rebalance", "table": list(goal)}, 10)["ok"]
+    finally:
+        t.join(90)
+    assert not t.is_alive() and "error" not in box, box.get("error")
+    results = box["results"]
+    assert observed_count([o for r in results for o in r["outputs"]]) == sequential_count(results[0]["sent"])
+    assert all(list(norm(r["table"])) == list(goal) for r in results)
+    assert results[0]["dropped"] > 0

@@ -238,8 +238,8 @@ def test_validate_move_and_table():
     for table, nbins, peers, msg in [
         ([0, 1], 3, None, "routing table has 2 entries, expected one per bin (3)"),
         ([0, 2], 2, 2, "routing table, bin 1: worker 2 does not exist (there are 2 workers)"),
-        ("01", None, None, "routing table must be a sequence of workers, one per bin, not str"),
-        (5, None, None, "routing table must be a sequence of workers, one per bin, not int"),
+        ("01", None, None, "routing table must be a sequence of workers, one per bin, not str '01'"),
+        (5, None, None, "routing table must be a sequence of workers, one per bin, not int 5"),
     ]:
         with pytest.raises(TableError) as e:
             validate_table(table, nbins, peers)
@@ -256,7 +256,7 @@ def test_validate_update_and_apply():
         (("move", 0, 2), "worker 2 does not exist"),
         (("table", (0, 1)), "routing table has 2 entries, expected one per bin (4)"),
         (("table", (0, 1, 0, 7)), "routing table, bin 3: worker 7 does not exist"),
-        (("table", "0101"), "must be a sequence of workers"),
+        (("table", "0101"), "must be a sequence of 4 workers"),
         (("move", 1), "is not ('move', bin, worker) or ('table'"),
         (("swap", 1, 2), "is not ('move', bin, worker) or ('table'"),
         ((), "is not ('move', bin, worker)"),

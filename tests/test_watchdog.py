@@ -1,9 +1,14 @@
-"""The stuck-operator watchdog: a long operator invocation is named, with its stack, and ends the job."""
+"""Hung workers: a stuck operator is named, with its stack, and ends the job; a worker stopped by
+SIGSTOP ends it too, while a stop and continue of the whole job (Ctrl-Z, fg) does not."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,3 +89,80 @@ def test_the_launcher_warns_only_when_asked(tmp_path):
     bad = subprocess.run([*base[:-2], "--watchdog", "0", str(job)], cwd=ROOT, capture_output=True, text=True,
                          timeout=80)
     assert bad.returncode == 2 and "--watchdog must be a positive" in bad.stderr
+
+
+# -- stopped workers (SIGSTOP / SIGTSTP) ------------------------------------------------------------
+STEADY_JOB = """
+import os, signal, sys, time
+
+def main(worker):
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        got = []
+        probe = inp.stream.exchange(lambda x: x).inspect(got.append).probe()
+    sys.stdout.write(f"ready {worker.index}\\n")
+    sys.stdout.flush()
+    if worker.index == 1 and worker.args == ["stop-self"]:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    for epoch in range(20):  # about 2 s of work, then the result
+        inp.send_batch([epoch * 10 + k for k in range(worker.index, 10, worker.peers)])
+        inp.advance_to(epoch + 1)
+        worker.step_while(lambda: probe.less_than(inp.time))
+        time.sleep(0.1)
+    inp.close()
+    worker.finish()
+    sys.stdout.write(f"RESULT {worker.index} {len(got)} {sum(got)}\\n")  # one write: stdout is shared
+    sys.stdout.flush()
+"""
+
+
+@contextlib.contextmanager
+def _launched(tmp_path, *argv: str) -> Iterator[subprocess.Popen]:
+    """The launcher running STEADY_JOB on two workers; killed with its workers if the test left it running."""
+    job = tmp_path / "steady.py"
+    job.write_text(STEADY_JOB)
+    # A session of its own: the test signals the launcher's process group, as a terminal would.
+    proc = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", "--stopped-grace", "1", str(job),
+                             *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+def _wait_ready(proc: subprocess.Popen) -> None:
+    assert proc.stdout is not None
+    seen = ""
+    while seen.count("ready") < 2:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        seen += line
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_stopped_by_sigstop_ends_the_job_naming_it(tmp_path):
+    started = time.monotonic()
+    with _launched(tmp_path, "stop-self") as proc:
+        out, err = proc.communicate(timeout=25)
+    assert proc.returncode == 1, err
+    assert "worker 1 was stopped by a signal (SIGSTOP or SIGTSTP) and stayed stopped for" in err, err
+    assert "crashed or was killed" not in err
+    assert time.monotonic() - started < 15
+
+
+@pytest.mark.timeout(40)
+def test_a_job_stopped_and_continued_as_a_whole_goes_on(tmp_path):
+    with _launched(tmp_path) as proc:
+        _wait_ready(proc)
+        os.killpg(proc.pid, signal.SIGSTOP)  # Ctrl-Z: the launcher and every worker stop ...
+        time.sleep(3)  # ... for longer than --stopped-grace ...
+        os.killpg(proc.pid, signal.SIGCONT)  # ... and `fg` continues them all
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    expected = sum(epoch * 10 + k for epoch in range(20) for k in range(10))
+    results = sorted(line.split()[1:] for line in out.splitlines() if line.startswith("RESULT"))
+    assert [r[0] for r in results] == ["0", "1"] and sum(int(r[1]) for r in results) == 200
+    assert sum(int(r[2]) for r in results) == expected

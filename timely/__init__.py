@@ -6,7 +6,7 @@ worker's result; ``python -m timely.launch -w N job.py`` does the same for a job
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import errors, routing
 from .collector import batch_gc
@@ -45,6 +45,9 @@ from .errors import (
 from .progress import Summary
 from .worker import Worker
 
+if TYPE_CHECKING:
+    from .comm.secret import JobSecret
+
 
 def __getattr__(name: str) -> Any:
     # The cluster's errors, without importing the cluster (and ZeroMQ) for single-worker use.
@@ -67,7 +70,7 @@ __all__ = [
 
 def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str] | None = None, *,
             timeout: float | None = None, start: str = "fork", fuzz: int | None = None,
-            watchdog: float | None = None) -> list[Any]:
+            watchdog: float | None = None, secret: str | JobSecret | None = None) -> list[Any]:
     """Run ``main(worker)`` on ``workers`` workers; return each worker's result, by index.
 
     Workers are processes exchanging data over ZeroMQ, started by ``start``: ``"fork"`` (the
@@ -87,13 +90,23 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
     spuriously, as timely allows; a failure on one worker reproduces with the same seed.
     ``watchdog=S`` ends the run with :class:`~timely.errors.OperatorStuckError` (the operator, the
     worker and its stack) when one operator invocation lasts longer than ``S`` seconds.
+    A worker process that stays stopped (SIGSTOP / SIGTSTP) longer than
+    :data:`timely.cluster.STOPPED_GRACE` seconds is killed, and the run fails naming it.
+    ``secret`` is the job secret, its text or a :class:`~timely.comm.secret.JobSecret` (``None``:
+    ``TIMELY_SECRET`` / ``TIMELY_SECRET_FILE`` if set, else no secret): the workers' links are
+    then authenticated and encrypted (CURVE), and ``worker.secret`` holds it for the job's own
+    servers (:class:`~timely.comm.secret.SecretError` for an empty or unreadable secret).
     """
+    from .comm.secret import resolve  # (ZeroMQ: only when a job runs)
+
+    job_secret = resolve(secret)
     if workers == 1 and start == "fork" and timeout is None:
         alloc = ThreadAllocator()
         try:
-            return [Worker(alloc, args or [], fuzz, watchdog).run(main)]
+            return [Worker(alloc, args or [], fuzz, watchdog, secret=job_secret).run(main)]
         finally:
             alloc.close()
     from .cluster import execute_cluster  # validates workers, timeout and start
 
-    return execute_cluster(main, workers, args or [], timeout=timeout, start=start, fuzz=fuzz, watchdog=watchdog)
+    return execute_cluster(main, workers, args or [], timeout=timeout, start=start, fuzz=fuzz, watchdog=watchdog,
+                           secret=job_secret)

@@ -12,7 +12,12 @@
   (``os._exit``: neither its other threads nor a spawned interpreter's teardown hold it);
 * the parent waits on result pipes and process sentinels with timeouts, never blocking forever;
   when a worker fails or dies (even by SIGKILL), the others are stopped (SIGTERM, then SIGKILL
-  after ``grace`` seconds) and every child is reaped before :func:`supervise` returns.
+  after ``grace`` seconds) and every child is reaped before :func:`supervise` returns;
+* a worker that stays stopped (SIGSTOP / SIGTSTP, Linux's process state ``T``) longer than
+  ``stopped_grace`` seconds is killed and reported as such, a failure like any other. A stop of the
+  whole process group (Ctrl-Z on the launcher) stops the parent too: it only counts stopped time it
+  was awake to see, so after ``fg`` the job goes on. A worker stopped by a debugger (state ``t``)
+  is left alone.
 """
 from __future__ import annotations
 
@@ -37,7 +42,9 @@ from typing import Any
 
 from .comm.endpoints import free_loopback_ports, ipc_endpoints, loopback_endpoints
 from .comm.errors import PeerLost
+from .comm.secret import JobSecret, resolve
 from .errors import OperatorError, TimelyError
+from .watchdog import StoppedWorkers
 
 __all__ = ["START_METHODS", "WorkerError", "WorkerOperatorError", "Outcome", "supervise", "run_worker",
            "execute_cluster", "local_endpoints"]
@@ -49,6 +56,8 @@ START_METHODS = ("fork", "spawn")
 STOP_GRACE = 3.0
 #: Seconds to keep collecting outcomes after the first failure (to find the root cause).
 COLLECT_WINDOW = 0.5
+#: Seconds a worker may stay stopped (SIGSTOP / SIGTSTP) before the job ends.
+STOPPED_GRACE = 5.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -84,8 +93,10 @@ class Outcome:
     """How one worker process ended.
 
     ``status`` is ``"ok"`` (result delivered, exit status 0), ``"error"`` (raised; ``traceback``),
-    ``"killed"`` (died by ``signal``), ``"exited"`` (exited with ``exitcode`` without a result) or
-    ``"stopped"`` (stopped by the supervisor because another worker failed). ``secondary`` marks a
+    ``"killed"`` (died by ``signal``), ``"exited"`` (exited with ``exitcode`` without a result),
+    ``"suspended"`` (stayed stopped by SIGSTOP / SIGTSTP longer than the supervisor's
+    ``stopped_grace``, so it killed it; ``summary`` says for how long) or ``"stopped"`` (stopped by
+    the supervisor because another worker failed). ``secondary`` marks a
     failure caused by another worker's (the worker lost a peer).
     """
 
@@ -103,7 +114,7 @@ class Outcome:
     @property
     def failed(self) -> bool:
         """True if the worker raised, died, or was stopped."""
-        return self.status in ("error", "killed", "exited", "stopped")
+        return self.status in ("error", "killed", "exited", "suspended", "stopped")
 
     def describe(self) -> str:
         """One line naming the worker and how it ended."""
@@ -113,6 +124,8 @@ class Outcome:
             return f"worker {self.index} was killed by signal {signal_name(self.signal)}"
         if self.status == "exited":
             return f"worker {self.index} exited with status {self.exitcode} without a result"
+        if self.status == "suspended":
+            return f"worker {self.index} was stopped by a signal (SIGSTOP or SIGTSTP) {self.summary}"
         if self.status == "stopped":
             return f"worker {self.index} was stopped"
         return f"worker {self.index}: {self.status}"
@@ -232,7 +245,8 @@ def _unpickled(cause: tuple[bytes | None, str]) -> BaseException:
 
 def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequence[int], *,
               grace: float = STOP_GRACE, timeout: float | None = None, collect: float = COLLECT_WINDOW,
-              on_failure: Callable[[Outcome], None] | None = None, start: str = "fork") -> list[Outcome]:
+              on_failure: Callable[[Outcome], None] | None = None, start: str = "fork",
+              stopped_grace: float = STOPPED_GRACE) -> list[Outcome]:
     """Run ``entry(index, report)`` in one child process per index; return their outcomes.
 
     ``report(value)`` hands a picklable result to the parent. A worker succeeds when it reported
@@ -242,12 +256,16 @@ def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequ
     expiry everyone is stopped and :class:`TimeoutError` raised. Every child is reaped on return,
     on error and on ``KeyboardInterrupt``. ``start`` is one of :data:`START_METHODS`: ``"fork"``
     forks the children from this process, ``"spawn"`` starts each as a fresh interpreter, which
-    needs a picklable ``entry`` (:class:`TypeError` otherwise, before any child starts).
+    needs a picklable ``entry`` (:class:`TypeError` otherwise, before any child starts). A worker
+    that stays stopped (SIGSTOP / SIGTSTP) for ``stopped_grace`` seconds is killed (SIGKILL) and
+    fails with status ``"suspended"``; time the supervisor itself spent stopped does not count.
     """
     if start not in START_METHODS:
         raise ValueError(f"start must be one of {', '.join(map(repr, START_METHODS))}, not {start!r}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+    if not stopped_grace > 0:
+        raise ValueError(f"stopped_grace must be a positive number of seconds, not {stopped_grace!r}")
     if start == "spawn":
         _require_picklable(entry, "the worker entry")
     ctx: Any = multiprocessing.get_context(start)  # a fork or spawn context, with .Process
@@ -266,6 +284,7 @@ def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequ
             conns[reader] = i
         live = {procs[i].sentinel: i for i in indices}
         stop_at: float | None = None
+        watch = StoppedWorkers(stopped_grace)
         while live:
             if timeout is not None and time.monotonic() - began > timeout:
                 raise TimeoutError(f"workers {sorted(live.values())} still running after {timeout} s")
@@ -275,6 +294,9 @@ def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequ
                 elif obj in live:
                     i = live.pop(obj)
                     _reap(procs[i], outcomes[i], conns)
+            watched = {i: procs[i].pid for i in live.values() if outcomes[i].status != "suspended"}
+            for i, seconds in watch.overdue(watched).items():
+                _kill_suspended(procs[i], outcomes[i], seconds)
             failures = [o for o in outcomes.values() if o.failed]
             if failures and stop_at is None:
                 stop_at = time.monotonic() + collect
@@ -291,6 +313,17 @@ def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequ
         for c in list(conns):
             c.close()
     return [outcomes[i] for i in indices]
+
+
+def _kill_suspended(proc: Any, out: Outcome, seconds: float) -> None:
+    """End the worker that stayed stopped ``seconds`` seconds: SIGKILL (it cannot run a SIGTERM
+    handler while stopped) and record why; its sentinel then reaps it."""
+    try:
+        proc.kill()
+    except OSError:
+        pass
+    out.status = "suspended"
+    out.summary = f"and stayed stopped for {seconds:.1f} s; it was killed"
 
 
 def _require_picklable(obj: Any, what: str) -> None:
@@ -335,7 +368,7 @@ def _reap(proc: Any, out: Outcome, conns: dict[Any, int]) -> None:
                     break
     code = proc.exitcode
     out.exitcode = code
-    if out.status == "error":
+    if out.status in ("error", "suspended"):
         return
     if code is not None and code < 0:
         out.status, out.signal = "killed", -code
@@ -388,23 +421,26 @@ def primary_failure(outcomes: list[Outcome]) -> Outcome:
 
 def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: list[str], token: str,
                args: Sequence[str], report: Callable[[Any], None], fuzz: int | None = None,
-               watchdog: float | None = None, watchdog_warn: bool = False, **options: Any) -> None:
+               watchdog: float | None = None, watchdog_warn: bool = False, secret: JobSecret | None = None,
+               **options: Any) -> None:
     """The per-process run sequence: allocator -> ``Worker`` -> ``main`` -> ``finish`` -> report -> close.
 
     ``fuzz`` seeds the worker's schedule fuzzer (``None``: none); ``watchdog`` (seconds) and
-    ``watchdog_warn`` configure its stuck-operator watchdog. On failure the allocator is closed
+    ``watchdog_warn`` configure its stuck-operator watchdog. ``secret`` (the job secret, or
+    ``None``) secures the worker-to-worker links and becomes :attr:`Worker.secret
+    <timely.worker.Worker.secret>`, for the job's own servers. On failure the allocator is closed
     with ``abort`` so the peers learn at once which worker failed.
     """
     from .comm.zmq_allocator import ZmqAllocator
     from .worker import Worker
 
-    alloc = ZmqAllocator(index, peers, endpoints, token, **options)
+    alloc = ZmqAllocator(index, peers, endpoints, token, secret=secret, **options)
     # Everything alive now (modules, the job's globals) lives for the whole run: keep the garbage
     # collector off it, so that collections triggered by decoded batches stay cheap.
     gc.collect()
     gc.freeze()
     try:
-        report(Worker(alloc, list(args), fuzz, watchdog, watchdog_warn).run(main))
+        report(Worker(alloc, list(args), fuzz, watchdog, watchdog_warn, secret=secret).run(main))
     except BaseException as exc:
         reason = "stopped" if isinstance(exc, _Stopped) else f"{type(exc).__name__}: {exc}"
         alloc.close(abort=reason)
@@ -437,14 +473,17 @@ def local_endpoints(workers: int, transport: str, base_port: int | None = None) 
 def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str] | None = None, *,
                     transport: str = "ipc", timeout: float | None = None, grace: float = STOP_GRACE,
                     start: str = "fork", fuzz: int | None = None, watchdog: float | None = None,
-                    **options: Any) -> list[Any]:
+                    secret: str | JobSecret | None = None, **options: Any) -> list[Any]:
     """Run ``main(worker)`` in ``workers`` processes on this host; return each result by index.
 
     Results must be picklable. ``transport`` is ``"ipc"`` (Unix sockets in a private temporary
     directory) or ``"tcp"`` (free ports on 127.0.0.1). ``timeout`` and ``start`` are
     :func:`supervise`'s (with ``start="spawn"``, ``main`` must be picklable); ``fuzz`` seeds every
     worker's schedule fuzzer (:mod:`timely.dataflow.fuzz`); ``watchdog`` is every worker's
-    stuck-operator limit in seconds (:mod:`timely.watchdog`). ``options`` go to the
+    stuck-operator limit in seconds (:mod:`timely.watchdog`). ``secret`` is the job secret (its
+    text or a :class:`~timely.comm.secret.JobSecret`; ``None``: from the environment, see
+    :func:`~timely.comm.secret.resolve`): the workers' links use CURVE, and every worker's
+    :attr:`~timely.worker.Worker.secret` is it. ``options`` go to the
     :class:`~timely.comm.zmq_allocator.ZmqAllocator`. Raises :class:`WorkerError` naming the first
     worker that failed (with its traceback text) after stopping the others.
     """
@@ -453,6 +492,7 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
     if start == "spawn":
         _require_picklable(main, "main")
     token = secrets.token_hex(16)
+    options["secret"] = resolve(secret)
     with local_endpoints(workers, transport) as endpoints:
         entry = functools.partial(_cluster_worker, main, workers, endpoints, token, list(args or []), fuzz, watchdog,
                                   options)

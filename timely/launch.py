@@ -12,9 +12,13 @@ Worker indices are global: ``host_index * N + local index``. Worker ``l`` of a h
 default) or loopback tcp from ``--port``.
 
 Exit status: 0 when every worker on this host finished cleanly; 1 when a worker raised (its index
-and traceback are printed) or died (its index and signal are printed), after stopping the others;
-2 for a usage error or a job file that cannot run (syntax error, no ``main``), before any worker
-starts; 130 on Ctrl-C, 143 on SIGTERM.
+and traceback are printed), died (its index and signal are printed), stayed stopped by SIGSTOP /
+SIGTSTP longer than ``--stopped-grace`` seconds (it is killed; a stop of the whole job, Ctrl-Z then
+``fg``, is not one), or ``--timeout`` expired, after stopping the others; 2 for a usage error (a bad
+option, an unreadable or empty ``--secret-file``) or a job file that cannot run (syntax error, no
+``main``, a ``main`` that is not a function), before any worker runs the job; 130 on Ctrl-C, 143 on
+SIGTERM, 129 on SIGHUP; 141 (SIGPIPE, nothing printed) when the job's output pipe was closed
+(``job | head``).
 """
 from __future__ import annotations
 
@@ -31,9 +35,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .cluster import Outcome, local_endpoints, primary_failure, run_worker, signal_name, supervise
+from .cluster import STOPPED_GRACE, Outcome, local_endpoints, primary_failure, run_worker, signal_name, supervise
 from .comm.endpoints import DEFAULT_PORT, hostfile_endpoints, parse_hostfile
 from .comm.errors import HostfileError
+from .comm.secret import JobSecret, SecretError, resolve
 from .errors import TimelyError
 
 #: Name the job module is imported under in each worker.
@@ -129,6 +134,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="ipc (Unix sockets, one host only; the default without a hostfile) or tcp")
     p.add_argument("--token", default=os.environ.get("TIMELY_TOKEN"),
                    help="job token shared by all hosts (default: derived from the job file, args and hostfile)")
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="the job secret: every host's workers talk over CURVE (authenticated and encrypted), and "
+                        "worker.secret holds it for the job's servers (default: env TIMELY_SECRET, or the file "
+                        "named by TIMELY_SECRET_FILE; none: links are open to whoever can reach them)")
     p.add_argument("--startup-timeout", type=float, default=30.0, metavar="S",
                    help="seconds to wait for all workers to connect (default 30)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="stop the job after S seconds")
@@ -137,6 +146,9 @@ def _parser() -> argparse.ArgumentParser:
                         "and printing the worker's stack")
     p.add_argument("--watchdog-warn", action="store_true",
                    help="with --watchdog: only print the report, let the job go on")
+    p.add_argument("--stopped-grace", type=float, default=STOPPED_GRACE, metavar="S",
+                   help="end the job when a worker stays stopped (SIGSTOP/SIGTSTP) longer than S seconds "
+                        f"(default {STOPPED_GRACE:g}); a stop of the whole job (Ctrl-Z, then fg) is not one")
     p.add_argument("--fuzz", type=int, default=None, metavar="SEED",
                    help="run under the schedule fuzzer seeded by SEED (batches split, reordered, delayed)")
     p.add_argument("job", help="the job file: a Python file defining main(worker)")
@@ -175,12 +187,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"--timeout must be a positive number of seconds, not {opts.timeout:g}")
         if opts.watchdog is not None and not opts.watchdog > 0:
             raise _UsageError(f"--watchdog must be a positive number of seconds, not {opts.watchdog:g}")
+        if not opts.stopped_grace > 0:
+            raise _UsageError(f"--stopped-grace must be a positive number of seconds, not {opts.stopped_grace:g}")
         if opts.watchdog_warn and opts.watchdog is None:
             raise _UsageError("--watchdog-warn needs --watchdog S")
         check_job(opts.job)
+        try:
+            secret = resolve(None, opts.secret_file)  # once here, not in every worker
+        except SecretError as exc:
+            raise _UsageError(str(exc)) from None
         with contextlib.ExitStack() as cleanup:
             endpoints, bind, token = _addresses(opts, cleanup)
-            return _run(opts, endpoints, bind, token)
+            return _run(opts, endpoints, bind, token, secret)
     except (_UsageError, JobFileError, HostfileError) as exc:
         return _error(str(exc))
 
@@ -215,7 +233,8 @@ def _addresses(opts: argparse.Namespace, cleanup: contextlib.ExitStack) -> tuple
     return hostfile_endpoints(hosts, n), bind, opts.token or job_token(opts.job, opts.args, hosts, n)
 
 
-def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], token: str) -> int:
+def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], token: str,
+         secret: JobSecret | None) -> int:
     """Run this host's workers; return the exit status (the failures are printed)."""
     n, peers = opts.workers, len(endpoints)
     first = opts.host_index * n
@@ -229,7 +248,7 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
         if not callable(job_main):
             raise JobFileError(f"{job}: main is {type(job_main).__name__} {job_main!r:.60}, not a function of the worker")
         run_worker(job_main, index, peers, endpoints, token, job_args, lambda _result: report(None),
-                   opts.fuzz, opts.watchdog, opts.watchdog_warn, bind=bind.get(index), **alloc_options)
+                   opts.fuzz, opts.watchdog, opts.watchdog_warn, secret, bind=bind.get(index), **alloc_options)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise _Terminated(signum)
@@ -237,7 +256,7 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
     # SIGTERM and SIGHUP (the terminal closed) stop the workers and clean up like Ctrl-C.
     previous = {s: signal.signal(s, on_sigterm) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        outcomes = supervise(entry, range(first, first + n), timeout=opts.timeout)
+        outcomes = supervise(entry, range(first, first + n), timeout=opts.timeout, stopped_grace=opts.stopped_grace)
     except KeyboardInterrupt:
         sys.stderr.write("timely.launch: interrupted; workers stopped\n")
         return 130

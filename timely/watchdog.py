@@ -1,4 +1,7 @@
-"""The stuck-operator watchdog: a worker inside one operator invocation for too long is reported.
+"""Watchdogs: an operator stuck in one invocation, and a worker process stopped by a signal.
+
+The stuck-operator watchdog (:class:`Watchdog`, in each worker): a worker inside one operator
+invocation for too long is reported.
 
 An operator that blocks (a ``time.sleep``, a lock never released, a network call without a
 timeout, an endless loop) stops its worker, and with it every worker waiting for its progress; from
@@ -12,6 +15,10 @@ report (once per invocation).
 The error is delivered by a signal (``SIGUSR1``) to the worker's main thread, so it interrupts a
 sleeping or blocked call at once, and a pure-Python loop at its next bytecode; code stuck inside one
 long C call is reported when the call returns.
+
+The stopped-worker watch (:class:`StoppedWorkers`, in the supervisor): a worker process stopped by
+SIGSTOP / SIGTSTP for longer than a grace period is named, so that the supervisor ends the job
+instead of waiting for it (:func:`timely.cluster.supervise`).
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ from .errors import OperatorStuckError
 
 #: Seconds between two checks (at most; a short limit checks more often).
 CHECK_EVERY = 1.0
+#: A gap this long (seconds) between two rounds of the supervisor means it was stopped itself.
+SELF_PAUSE = 1.0
 
 
 class Watchdog:
@@ -91,3 +100,47 @@ class Watchdog:
             if not self.warn_only:
                 self._error = OperatorStuckError(operator, self.worker, seconds, self.limit, stack)
                 signal.pthread_kill(self._main, signal.SIGUSR1)  # type: ignore[arg-type]
+
+
+class StoppedWorkers:
+    """The supervisor's watch on its workers' processes: which have stayed stopped (process state
+    ``T``: SIGSTOP / SIGTSTP) longer than ``grace`` seconds. Call :meth:`overdue` every round
+    (well under :data:`SELF_PAUSE` seconds apart)."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self._since: dict[int, float] = {}  # worker -> when it was first seen stopped
+        self._last = time.monotonic()
+
+    def overdue(self, pids: dict[int, int]) -> dict[int, float]:
+        """The workers of ``pids`` (index -> pid) seen stopped for longer than ``grace`` seconds,
+        with those seconds."""
+        now = time.monotonic()
+        if now - self._last > SELF_PAUSE:
+            # We were not running (the whole process group was stopped: Ctrl-Z), so we cannot tell
+            # for how long a worker was stopped on its own: count again from now. This is what lets
+            # a job stopped and continued as a whole go on.
+            self._since.clear()
+        self._last = now
+        late = {}
+        for i, pid in pids.items():
+            if process_state(pid) == "T":
+                seconds = now - self._since.setdefault(i, now)
+                if seconds > self.grace:
+                    late[i] = seconds
+            else:
+                self._since.pop(i, None)
+        return late
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in ``/proc/<pid>/stat`` (``None`` where there is none:
+    not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (command) S ...": the command may contain spaces and parentheses, the state follows the last ')'.
+    fields = stat[stat.rfind(b")") + 1:].split()
+    return fields[0].decode("ascii", "replace") if fields else None

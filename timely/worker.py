@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import time as _time
 from collections.abc import Callable, Iterator, Sequence, Set
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .collector import batch_gc
 from .comm.allocator import Allocator
@@ -15,17 +15,23 @@ from .dataflow.scope import Scope
 from .errors import BuildError, ProgressMismatchError
 from .watchdog import Watchdog
 
+if TYPE_CHECKING:
+    from .comm.secret import JobSecret
+
 
 class Worker:
     """A timely worker: ``index`` of ``peers``, with the job's ``args``.
 
     Build dataflows with ``with worker.dataflow() as scope: ...``, then drive them with
     :meth:`step` / :meth:`step_while`. Every worker must build the same dataflows in the same order.
+    ``secret`` is the job secret (:attr:`secret`).
     """
 
     def __init__(self, allocator: Allocator, args: Sequence[str] = (), fuzz: int | None = None,
-                 watchdog: float | None = None, watchdog_warn: bool = False) -> None:
+                 watchdog: float | None = None, watchdog_warn: bool = False, *,
+                 secret: JobSecret | None = None) -> None:
         self.allocator = allocator
+        self._secret = secret
         self.index: int = allocator.index
         self.peers: int = allocator.peers
         self.args: list[str] = list(args)
@@ -40,6 +46,14 @@ class Worker:
         if watchdog is not None:
             self.watchdog = Watchdog(watchdog, self.index, watchdog_warn)
             self.watchdog.start()
+
+    @property
+    def secret(self) -> JobSecret | None:
+        """The job secret (``--secret-file``, ``TIMELY_SECRET``, ``timely.execute(secret=...)``), or
+        ``None`` without one. Servers the job opens itself (the Spark bridge, a control endpoint)
+        use it to admit only the job's own clients: :meth:`JobSecret.serve
+        <timely.comm.secret.JobSecret.serve>`. Read-only."""
+        return self._secret
 
     # -- construction ------------------------------------------------------------------------
     def new_channel(self) -> int:
