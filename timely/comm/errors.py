@@ -2,14 +2,15 @@
 
 Each derives from :class:`timely.errors.TimelyError` and keeps a conventional builtin base
 (``RuntimeError``, or ``ValueError`` for a bad hostfile). :class:`CommError` and its subclasses are
-fatal: the job cannot continue. Nothing here knows of timestamps or dataflows.
+fatal: the job cannot continue, except :class:`MessageTooLarge`, which only refuses one push
+(the caller splits the message). Nothing here knows of timestamps or dataflows.
 """
 from __future__ import annotations
 
 from ..errors import TimelyError
 
 __all__ = ["AddressInUse", "ChannelMismatch", "CommError", "FramingError", "HandshakeError", "HostfileError",
-           "PeerLost"]
+           "MessageTooLarge", "PeerLost"]
 
 
 class CommError(TimelyError, RuntimeError):
@@ -38,6 +39,16 @@ class ChannelMismatch(CommError):
 
 class FramingError(CommError):
     """A frame that does not follow this protocol (another program, or another version)."""
+
+
+class MessageTooLarge(CommError):
+    """A pushed message whose encoding (``size`` bytes) exceeds the ``limit`` of the allocator's
+    ``max_message_bytes``; nothing was sent, so the caller may split it and push the parts."""
+
+    def __init__(self, size: int, limit: int, message: str) -> None:
+        super().__init__(message)
+        self.size = size
+        self.limit = limit
 
 
 class HostfileError(TimelyError, ValueError):

@@ -39,7 +39,7 @@ class Kind(IntEnum):
     """What a framed message carries."""
 
     DATA = 0      #: a pushed message for ``channel``
-    HELLO = 1     #: connector -> listener: ``{"token", "index", "peers", "version"}``
+    HELLO = 1     #: connector -> listener: ``{"token", "index", "peers", "version", "max_message_bytes"}``
     WELCOME = 2   #: listener -> connector: the handshake succeeded
     REJECT = 3    #: listener -> connector: the handshake failed; payload is the reason (str)
     GOODBYE = 4   #: the sender closed cleanly and will send nothing more

@@ -1,49 +1,58 @@
 """The ZeroMQ connections of one worker to all the others.
 
 :class:`Links` owns a worker's ZeroMQ context, its ``ROUTER`` (inbound) and one :class:`Peer`
-(``DEALER``, outbound) per other worker. It greets the peers, moves received ``DATA`` messages to a
-``deliver`` callback, sends with bounded backlogs, watches the connections and says goodbye; the
-wire protocol is described in :mod:`timely.comm.zmq_allocator`. It knows channels only as numbers
-in message headers.
+(``DEALER``, outbound) per other worker. It greets the peers, moves received ``DATA`` messages into
+a :class:`~timely.comm.mailbox.Mailbox` (not while it is full), sends with bounded backlogs,
+watches the connections and says goodbye; the wire protocol is described in
+:mod:`timely.comm.zmq_allocator`. It knows channels only as numbers in message headers. With a job
+secret, the ``ROUTER`` is a CURVE server guarded by the secret's ZAP handler and every ``DEALER`` a
+CURVE client (:mod:`timely.comm.secret`).
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .errors import ChannelMismatch, CommError, FramingError, HandshakeError, PeerLost
+from .errors import ChannelMismatch, CommError, FramingError, HandshakeError, MessageTooLarge, PeerLost
 from .framing import HEADER, Kind, decode, encode, pack_header, unpack_header
-from .peer import NOBLOCK, Peer, Tuning, bind_router, connect_peer, hello_rejection
+from .gate import Refusals, hello_rejection, read_hello
+from .mailbox import Mailbox
+from .peer import HANDSHAKE_FAILED, NOBLOCK, Peer, Tuning, bind_router, connect_peer
 
-_RCVMORE = int(zmq.RCVMORE)
+if TYPE_CHECKING:
+    from .secret import Guard, JobSecret
+
 _DATA, _GOODBYE, _ABORT = int(Kind.DATA), int(Kind.GOODBYE), int(Kind.ABORT)
 
 #: Seconds between checks of the connection monitors on the non-blocking ``receive`` path.
 WATCH_INTERVAL = 0.02
 
-#: ``deliver(source, channel, message)``: hands a received message on; may raise ChannelMismatch.
-Deliver = Callable[[int, int, Any], None]
-
 
 class Links:
     """Worker ``index``'s connections to the workers listening on ``endpoints`` (``len(endpoints)``
-    workers, at least two). It listens on ``bind``; the constructor returns once every peer has
-    been greeted in both directions (or raises :class:`HandshakeError` after
-    ``tuning.startup_timeout`` seconds).
+    workers, at least two). It listens on ``bind`` and delivers what peers send into ``mailbox``;
+    the constructor returns once every peer has been greeted in both directions (or raises
+    :class:`HandshakeError` after ``tuning.startup_timeout`` seconds). ``secret``: see the module.
     """
 
-    def __init__(self, index: int, endpoints: list[str], token: str, bind: str, deliver: Deliver,
-                 tuning: Tuning) -> None:
+    def __init__(self, index: int, endpoints: list[str], token: str, bind: str, mailbox: Mailbox,
+                 tuning: Tuning, secret: JobSecret | None = None) -> None:
         self.index = index
         self._size = len(endpoints)
         self._token = token
-        self._deliver = deliver
+        self._mailbox = mailbox
         self._tuning = tuning
+        self._secret = secret
+        # The ROUTER is not read while the mailbox holds this many unread bytes; no limit during
+        # the start-up handshake (every HELLO must be read) and the goodbye (nothing is read after).
+        self._unread_limit = math.inf
         self._peers: dict[int, Peer] = {}  # by worker index
         self._others: list[Peer] = []  # the same, in index order
         self._by_rid: dict[bytes, Peer] = {}
@@ -52,28 +61,33 @@ class Links:
         self._backlogged: set[Peer] = set()
         self._suspects: list[Peer] = []
         self.finished: set[int] = set()  # peers that said GOODBYE (after all their data)
-        self._rejections: list[str] = []
+        self.refusals = Refusals(index)  # messages refused before a handshake
+        self._rejections: deque[str] = deque(maxlen=4)  # the latest rejected HELLOs, for start-up errors
         self._failure: CommError | None = None
         self._next_watch = 0.0
         self._closed = False
         self._poller = zmq.Poller()  # everything: ROUTER, monitors, DEALERs (POLLOUT while backlogged)
         self._router_poller = zmq.Poller()  # the ROUTER alone
         self._ctx = zmq.Context(1)
+        self._guard: Guard | None = None
         try:
-            self._router = bind_router(self._ctx, tuning, index, bind)
+            if secret is not None:
+                self._guard = secret.guard(self._ctx)  # before the ROUTER binds
+            self._router = bind_router(self._ctx, tuning, secret, index, bind)
         except BaseException:
-            self._ctx.term()
+            self._end_context()
             raise
         self._poller.register(self._router, zmq.POLLIN)
         self._router_poller.register(self._router, zmq.POLLIN)
         try:
             for j, endpoint in enumerate(endpoints):
                 if j != index:
-                    self._add(connect_peer(self._ctx, tuning, index, self._size, token, j, endpoint))
+                    self._add(connect_peer(self._ctx, tuning, secret, index, self._size, token, j, endpoint))
             self._handshake(time.monotonic() + tuning.startup_timeout)
         except BaseException:
             self._teardown(graceful=False)
             raise
+        self._unread_limit = tuning.mailbox_bytes
 
     def peer(self, index: int) -> Peer:
         """The connection to worker ``index`` (not this worker)."""
@@ -103,17 +117,25 @@ class Links:
         except Exception as exc:
             raise TypeError(f"cannot send a message to worker {peer.index} on channel {channel}: "
                             f"{exc} (messages must be msgpack-serialisable)") from exc
+        limit = self._tuning.max_message_bytes
+        if len(payload) > limit:  # refused whole, before it takes a sequence number
+            raise MessageTooLarge(len(payload), limit, (
+                f"worker {self.index}: a message of {len(payload)} bytes to worker {peer.index} on channel "
+                f"{channel} exceeds max_message_bytes ({limit}); split it"))
         head = pack_header(Kind.DATA, self.index, channel, peer.send_seq)
         peer.send_seq += 1
         self._send(peer, head, payload)
 
     def release(self) -> None:
-        """Flush the backlogs; while one is over its bound, wait for room (receiving meanwhile)."""
+        """Flush the backlogs; while one is over its bound, wait for room (receiving meanwhile).
+
+        The wait also ends once the mailbox is full: the worker must read it before anything more
+        can be received, and two workers waiting for each other to receive would deadlock."""
         self.raise_if_failed()
         for peer in list(self._backlogged):
             self._flush(peer)
         if self._backlogged and self._over_bound():
-            self._wait_until(lambda: not self._over_bound(), None)
+            self._wait_until(lambda: not self._over_bound() or self._mailbox_full(), None)
 
     def wait_for_message(self, timeout: float | None) -> None:
         """Park until a message arrives or ``timeout`` seconds pass, flushing backlogs meanwhile
@@ -137,6 +159,7 @@ class Links:
         """Say goodbye (or, with ``abort`` or after a failure, tell the peers why) and close."""
         if self._closed:
             return
+        self._unread_limit = math.inf  # nobody reads the mailbox any more: never stop receiving
         graceful = abort is None and self._failure is None
         try:
             if graceful:
@@ -181,6 +204,8 @@ class Links:
                        + ", ".join(self._peers[j].endpoint for j in silent) + ")")
                 if self._rejections:
                     msg += "; rejected connections: " + "; ".join(self._rejections)
+                msg += ("; the workers' job secrets may differ" if self._secret is not None
+                        else "; if the other workers use a job secret, this one needs it too")
                 raise HandshakeError(msg)
             self._dispatch(self._poller.poll(int(min(remaining, 0.2) * 1000) + 1))
 
@@ -209,25 +234,18 @@ class Links:
                                      f"(worker {peer.index}'s address) rejected us: {body}")
 
     def _on_stranger(self, rid: bytes) -> None:
-        """A message from a connection that has not greeted us: only a HELLO is acceptable."""
-        frames = [rid]
-        while self._router.getsockopt(_RCVMORE):
-            frames.append(self._router.recv(NOBLOCK))
-        if len(frames) != 3:
-            return  # not our protocol
-        try:
-            kind, source, _, _ = unpack_header(frames[1])
-        except FramingError:
+        """A message from a connection that has not greeted us: only a valid HELLO is acceptable;
+        anything else is refused and logged (rate-limited), never fatal."""
+        hello = read_hello(self._router)
+        if isinstance(hello, str):
+            self.refusals.refuse(hello)
             return
-        if kind != Kind.HELLO:
-            return
-        try:
-            info = decode(frames[2])
-        except Exception:
-            info = None
+        source, info = hello
         peer = self._peers.get(source)
-        reason = hello_rejection(info, source, self._token, self._size, peer)
+        reason = hello_rejection(info, source, self._token, self._size, self._tuning.max_message_bytes,
+                                 peer is not None, peer is not None and peer.hello)
         if reason is not None or peer is None:  # (a reason is always given when peer is None)
+            self.refusals.refuse(f"a HELLO claiming to be worker {source} ({reason})")
             self._rejections.append(f"a connection claiming to be worker {source}: {reason}")
             self._router_send(rid, Kind.REJECT, encode(reason))
             return
@@ -246,11 +264,14 @@ class Links:
     def _drain_router(self) -> None:
         recv = self._router.recv
         by_rid = self._by_rid
-        deliver = self._deliver
+        mailbox = self._mailbox
+        deliver = mailbox.deliver
         unpack = HEADER.unpack
         budget = self._tuning.receive_bytes
+        limit = self._unread_limit
         for _ in range(self._tuning.receive_batch):
-            if budget <= 0:
+            # Backpressure: what stays in ZeroMQ fills its queues, and then the sender's backlog.
+            if budget <= 0 or mailbox.unread_bytes >= limit:
                 return
             try:
                 rid = recv(NOBLOCK)
@@ -274,7 +295,7 @@ class Links:
                                         f"when {peer.recv_seq} was expected (lost or duplicated message)"))
                 peer.recv_seq = seq + 1
                 try:
-                    deliver(peer.index, channel, decode(payload))
+                    deliver(peer.index, channel, decode(payload), len(payload))
                 except ChannelMismatch as exc:
                     self.fail(exc)
                 if peer.dropped:
@@ -296,10 +317,18 @@ class Links:
                 event = recv_monitor_message(peer.monitor, NOBLOCK)
             except zmq.Again:
                 return
+            if event["event"] & HANDSHAKE_FAILED and not peer.welcomed:
+                raise HandshakeError(self._security_failure(peer, str(zmq.Event(event["event"]).name)))
             if event["event"] == zmq.EVENT_DISCONNECTED and not peer.goodbye and not peer.dropped:
                 # Its GOODBYE travels on the other connection of the pair: give it a moment.
                 peer.lost_deadline = time.monotonic() + self._tuning.goodbye_grace
                 self._suspects.append(peer)
+
+    def _security_failure(self, peer: Peer, event: str) -> str:
+        cause = ("the workers' job secrets differ, or that worker has none" if self._secret is not None
+                 else "that worker may require a job secret, and this one has none")
+        return (f"worker {self.index}: the ZeroMQ security handshake with worker {peer.index} ({peer.endpoint}) "
+                f"failed ({event}): {cause}")
 
     def _check_suspects(self) -> None:
         now = time.monotonic()
@@ -332,6 +361,9 @@ class Links:
     def _over_bound(self) -> bool:
         bound = self._tuning.backlog_bytes
         return any(p.backlog_bytes > bound for p in self._backlogged)
+
+    def _mailbox_full(self) -> bool:
+        return self._mailbox.unread_bytes >= self._unread_limit
 
     # -- polling -----------------------------------------------------------------------------
     def _dispatch(self, ready: list[tuple[Any, int]], drain: bool = True) -> bool:
@@ -404,6 +436,14 @@ class Links:
         for peer in self._others:
             peer.close(0 if graceful and peer.settled else 500)
         self._router.close(500)  # WELCOME / REJECT / ACK replies travel here
+        self.refusals.flush()
+        self._end_context()
+
+    def _end_context(self) -> None:
+        """Terminate the context once our sockets are closed; its ZAP handler (a socket of the
+        context too) stops first, or the termination would wait for it forever."""
+        if self._guard is not None:
+            self._guard.stop()
         self._ctx.term()
 
     def __repr__(self) -> str:

@@ -4,6 +4,12 @@ Every allocator keeps one :class:`Mailbox`. A remote allocator hands it each dec
 :meth:`Mailbox.deliver`; a push to this worker itself goes straight into the channel's queue
 through a :class:`LoopbackPusher`, by reference. A peer may run ahead and send on a channel this
 worker has not allocated yet: those messages wait in the mailbox until the channel is allocated.
+
+Unread bytes. :attr:`Mailbox.unread_bytes` counts the encoded size of the peers' messages the
+worker has not taken yet: delivered, and not yet reported by :meth:`Mailbox.take_events` (the
+worker reads every reported channel's puller right after taking its events), or waiting for a
+channel not allocated yet. The remote allocator stops reading from the network while it is over
+its budget, so a slow worker holds a bounded amount of received data and its senders wait.
 """
 from __future__ import annotations
 
@@ -54,15 +60,18 @@ class Mailbox:
     ``events`` is shared with the :class:`LoopbackPusher` objects this mailbox hands out.
     """
 
-    __slots__ = ("index", "events", "_pullers", "_last", "_pending", "_pending_from")
+    __slots__ = ("index", "events", "unread_bytes", "_pullers", "_last", "_pending", "_pending_from",
+                 "_pending_bytes")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.events: set[int] = set()
+        self.unread_bytes = 0  # see the module docstring
         self._pullers: dict[int, LocalPuller] = {}
         self._last = -1  # the last channel allocated; channels are allocated in increasing order
         self._pending: dict[int, list[Any]] = {}  # messages for channels not allocated yet
         self._pending_from: dict[int, int] = {}  # the first worker that sent on such a channel
+        self._pending_bytes: dict[int, int] = {}  # their encoded size, by channel
 
     def open(self, channel: int) -> LocalPuller:
         """Create the puller of ``channel``, holding whatever peers already sent on it.
@@ -80,6 +89,7 @@ class Mailbox:
         # A peer may be ahead of us: what it already sent on this channel is waiting here.
         waiting = self._pending.pop(channel, None)
         self._pending_from.pop(channel, None)
+        self._pending_bytes.pop(channel, None)  # still unread, until the next take_events
         if waiting:
             puller.queue.extend(waiting)
             self.events.add(channel)
@@ -89,9 +99,10 @@ class Mailbox:
         """A pusher from this worker to itself on ``puller``'s channel."""
         return LoopbackPusher(puller, self.events)
 
-    def deliver(self, source: int, channel: int, message: Any) -> None:
-        """Queue ``message`` from worker ``source``; raise :class:`ChannelMismatch` if ``channel``
-        was skipped by this worker (it can never be allocated any more)."""
+    def deliver(self, source: int, channel: int, message: Any, size: int) -> None:
+        """Queue ``message`` from worker ``source`` (``size``: its encoded bytes); raise
+        :class:`ChannelMismatch` if ``channel`` was skipped by this worker (it can never be
+        allocated any more)."""
         puller = self._pullers.get(channel)
         if puller is not None:
             puller.queue.append(message)
@@ -100,20 +111,30 @@ class Mailbox:
             if channel not in self._pending:  # the sender is ahead of us
                 self._pending[channel] = []
                 self._pending_from[channel] = source
+                self._pending_bytes[channel] = 0
             self._pending[channel].append(message)
+            self._pending_bytes[channel] += size
         else:
             raise self._mismatch(channel, self._last, source)
+        self.unread_bytes += size
 
     def take_events(self) -> list[int]:
-        """Return (and clear) the ids of channels that received messages since the last call."""
+        """Return (and clear) the ids of channels that received messages since the last call.
+
+        The caller reads these channels' pullers now: from here on only the messages still
+        waiting for unallocated channels count as unread."""
         ev = sorted(self.events)
         self.events.clear()
+        self.unread_bytes = sum(self._pending_bytes.values()) if self._pending_bytes else 0
         return ev
 
     def close(self) -> None:
         """Drop every queue."""
         self._pullers.clear()
         self._pending.clear()
+        self._pending_from.clear()
+        self._pending_bytes.clear()
+        self.unread_bytes = 0
 
     def _mismatch(self, channel: int, allocated: int, source: int) -> ChannelMismatch:
         return ChannelMismatch(

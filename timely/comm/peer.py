@@ -9,12 +9,11 @@ room. Bounding the backlog (waiting while receiving) is the allocator's job.
 """
 from __future__ import annotations
 
-import hmac
 import math
 import os
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -22,9 +21,17 @@ from .endpoints import ipc_path_in_use
 from .errors import AddressInUse, CommError
 from .framing import HEADER, VERSION, Kind, encode, pack_header
 
+if TYPE_CHECKING:
+    from .secret import JobSecret
+
 # Plain ints: pyzmq's enum flags cost microseconds per operation on the hot path.
 NOBLOCK = int(zmq.NOBLOCK)
 NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+
+#: What a ``DEALER``'s monitor reports: a dropped connection, or a failed ZMTP / CURVE handshake.
+HANDSHAKE_FAILED = int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+MONITORED = int(zmq.EVENT_DISCONNECTED) | HANDSHAKE_FAILED
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,9 @@ class Tuning:
     documents each (and gives their defaults). ``heartbeat_ivl`` 0 turns ZMTP heartbeats off."""
 
     hwm: int
+    max_message_bytes: int
     backlog_bytes: int
+    mailbox_bytes: int
     startup_timeout: float
     heartbeat_ivl: float
     heartbeat_timeout: float
@@ -43,9 +52,13 @@ class Tuning:
     receive_bytes: int
 
     def apply(self, sock: zmq.Socket) -> None:
-        """Set the socket options (queue bounds, heartbeats) on ``sock``, before it binds or connects."""
+        """Set the socket options (queue and message bounds, heartbeats) on ``sock``, before it binds
+        or connects."""
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
+        # A peer that sends a larger frame is disconnected before it is buffered. Ours never do:
+        # a payload over max_message_bytes is refused at push (MessageTooLarge).
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + HEADER.size)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         if self.heartbeat_ivl > 0:
@@ -142,27 +155,34 @@ class Peer:
         self.backlog_bytes += len(payload) + HEADER.size
 
 
-def connect_peer(ctx: zmq.Context, tuning: Tuning, me: int, peers: int, token: str,
+def connect_peer(ctx: zmq.Context, tuning: Tuning, secret: JobSecret | None, me: int, peers: int, token: str,
                  index: int, endpoint: str) -> Peer:
-    """Connect a ``DEALER`` from worker ``me`` to worker ``index`` and queue our ``HELLO`` on it."""
+    """Connect a ``DEALER`` from worker ``me`` to worker ``index`` (a CURVE client with a
+    ``secret``) and queue our ``HELLO`` on it."""
     dealer = ctx.socket(zmq.DEALER)
     tuning.apply(dealer)
-    peer = Peer(index, endpoint, dealer, dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+    if secret is not None:
+        secret.connect(dealer)
+    peer = Peer(index, endpoint, dealer, dealer.get_monitor_socket(MONITORED))
     try:
         dealer.connect(endpoint)
     except zmq.ZMQError as exc:
         peer.close(0)
         raise CommError(f"worker {me}: cannot connect to worker {index} at {endpoint}: {exc}") from None
-    hello = encode({"token": token, "index": me, "peers": peers, "version": VERSION})
+    hello = encode({"token": token, "index": me, "peers": peers, "version": VERSION,
+                    "max_message_bytes": tuning.max_message_bytes})
     # Queued until the connection is up (ZMQ_IMMEDIATE is off), then sent first.
     dealer.send_multipart([pack_header(Kind.HELLO, me), hello], NOBLOCK)
     return peer
 
 
-def bind_router(ctx: zmq.Context, tuning: Tuning, me: int, address: str) -> zmq.Socket:
-    """Bind worker ``me``'s ``ROUTER`` on ``address``; raise :class:`AddressInUse` if it is taken."""
+def bind_router(ctx: zmq.Context, tuning: Tuning, secret: JobSecret | None, me: int, address: str) -> zmq.Socket:
+    """Bind worker ``me``'s ``ROUTER`` on ``address`` (a CURVE server with a ``secret``, whose
+    context must be guarded by ``secret.guard``); raise :class:`AddressInUse` if it is taken."""
     router = ctx.socket(zmq.ROUTER)
     tuning.apply(router)
+    if secret is not None:
+        secret.serve(router)
     # ROUTER_MANDATORY: a reply that cannot be routed fails instead of vanishing silently.
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     where = f"worker {me} cannot listen on {address}"
@@ -184,25 +204,3 @@ def bind_router(ctx: zmq.Context, tuning: Tuning, me: int, address: str) -> zmq.
         router.close(0)
         raise
     return router
-
-
-def hello_rejection(info: Any, source: int, token: str, peers: int, peer: Peer | None) -> str | None:
-    """Why a ``HELLO`` claiming to come from worker ``source`` must be rejected, or ``None``.
-
-    ``info`` is its decoded payload, ``peer`` our state for ``source`` (``None`` if no such
-    worker). A peer of another job (another token) is rejected, so jobs never cross-talk.
-    """
-    if not isinstance(info, dict):
-        info = {}
-    claimed = info.get("token")
-    if not isinstance(claimed, str) or not hmac.compare_digest(claimed.encode(), token.encode()):
-        return "wrong job token (the connection belongs to another job)"
-    if info.get("version") != VERSION:
-        return f"protocol version {info.get('version')}, expected {VERSION}"
-    if info.get("peers") != peers:
-        return f"job size mismatch: this job has {peers} workers, the peer expects {info.get('peers')}"
-    if peer is None or info.get("index") != source:
-        return f"bad worker index {source}"
-    if peer.hello:
-        return f"worker {source} is already connected"
-    return None

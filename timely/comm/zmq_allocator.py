@@ -12,17 +12,26 @@ payload (:mod:`timely.comm.framing`). Payloads decode with ``use_list=False``: t
 tuples and lists arrive as tuples. A push to this worker itself is a local loopback: the object is
 queued by reference, never serialised.
 
-Handshake. Each ``DEALER`` first sends ``HELLO`` (job token, worker index, number of workers); the
-listener answers ``WELCOME`` or ``REJECT`` with a reason. A peer of another job (another token) is
-rejected and raises :class:`HandshakeError` on its side, so two jobs on one machine never
-cross-talk. The constructor returns once every peer has been greeted in both directions.
+Handshake. Each ``DEALER`` first sends ``HELLO`` (job token, worker index, number of workers,
+message size limit); the listener answers ``WELCOME`` or ``REJECT`` with a reason. A peer of another
+job (another token) is rejected and raises :class:`HandshakeError` on its side, so two jobs on one
+machine never cross-talk. The constructor returns once every peer has been greeted in both
+directions. Before its ``HELLO`` is accepted, a connection's messages are validated (frame count,
+sizes, kind) and a bad one is refused and logged, rate-limited (:mod:`timely.comm.gate`); no frame
+over ``max_message_bytes`` is ever buffered (ZeroMQ's ``MAXMSGSIZE`` disconnects its sender).
+
+Security. With a job ``secret`` (:mod:`timely.comm.secret`), every connection uses CURVE: traffic
+is encrypted, and only processes that hold the secret can connect at all; a worker with another
+secret (or none) fails the start-up with a :class:`HandshakeError` saying so. Without one, anyone
+who can reach an endpoint can connect, and only the token check keeps them out of the job.
 
 Backpressure. Sends are non-blocking. What ZeroMQ cannot take (its queue to a peer holds ``hwm``
 messages) waits in a per-peer backlog; ``release`` flushes, and while a peer's backlog exceeds
 ``backlog_bytes`` it waits for room *while receiving into pullers*, so two workers pushing at each
-other cannot deadlock and a slow consumer slows its producers. Memory per peer is thus bounded by
-about ``2 * hwm`` messages in ZeroMQ (plus the kernel's socket buffers), ``backlog_bytes`` and one
-push.
+other cannot deadlock and a slow consumer slows its producers. Received messages the worker has
+not taken yet (its mailbox) are bounded too: past ``mailbox_bytes`` nothing more is read from
+ZeroMQ (so the senders' queues fill and they wait), and ``release`` stops waiting (the worker must
+read its mailbox first). Nothing is ever dropped.
 
 Goodbye. ``close()`` sends ``GOODBYE`` after the last data message to every peer, then keeps
 receiving until each live peer answers ``ACK`` (it has read the ``GOODBYE``, hence everything before
@@ -49,14 +58,19 @@ from collections.abc import Callable, Set
 from typing import Any
 
 from .allocator import Puller, Pusher
-from .errors import AddressInUse, ChannelMismatch, CommError, HandshakeError, PeerLost
+from .errors import AddressInUse, ChannelMismatch, CommError, HandshakeError, MessageTooLarge, PeerLost
 from .framing import MAX_CHANNEL, MAX_SOURCE
 from .links import Links
 from .mailbox import Mailbox
 from .peer import Peer, Tuning
+from .secret import JobSecret
 
 # The errors callers catch, importable from here as well as from timely.comm.errors.
-__all__ = ["AddressInUse", "ChannelMismatch", "CommError", "HandshakeError", "PeerLost", "ZmqAllocator"]
+__all__ = ["AddressInUse", "ChannelMismatch", "CommError", "HandshakeError", "MessageTooLarge", "PeerLost",
+           "ZmqAllocator"]
+
+#: The fewest messages a ZeroMQ queue holds, whatever the byte budget (small messages need room).
+HWM_FLOOR = 16
 
 
 class _RemotePusher:
@@ -66,7 +80,8 @@ class _RemotePusher:
 
     def __init__(self, links: Links, peer: Peer, channel: int) -> None:
         # push(message) serialises and sends (or queues in the peer's backlog), through a partial:
-        # on the hot path, without a Python frame of its own.
+        # on the hot path, without a Python frame of its own. It raises MessageTooLarge, having
+        # sent nothing, when the encoding exceeds max_message_bytes.
         self.push: Callable[[Any], None] = functools.partial(links.send_data, peer, channel)
 
 
@@ -76,10 +91,26 @@ class ZmqAllocator:
     ``endpoints[j]`` is the address worker ``j`` listens on (``ipc://path`` or ``tcp://host:port``);
     this worker binds ``bind`` if given, else ``endpoints[index]``. ``token`` identifies the job:
     every worker of a job must use the same one. The constructor blocks until every peer is
-    connected (at most ``startup_timeout`` seconds). Create it after any ``fork``.
+    connected (at most ``startup_timeout`` seconds). Create it after any ``fork``. With ``secret``
+    (every worker of the job the same), links are authenticated and encrypted with CURVE.
 
-    Tuning: ``hwm`` messages may queue inside ZeroMQ per direction and side of a pair;
-    ``backlog_bytes`` more may wait per peer before ``release`` blocks; ``heartbeat_ivl`` /
+    Memory, in bytes. A remote pusher refuses a message whose encoding exceeds
+    ``max_message_bytes`` (default 8 MiB) with :class:`MessageTooLarge`, sending nothing; no
+    worker accepts a larger frame. Per ordered pair of workers (i -> j) there are at most:
+
+    - in i's backlog for j: ``backlog_bytes`` (default 16 MiB) plus one message, before ``release``
+      waits (it stops waiting early only while i's own mailbox is full, so that two workers
+      flooding each other cannot deadlock);
+    - inside ZeroMQ: ``hwm`` messages in i's send queue and ``hwm`` in j's receive queue, each at
+      most ``max_message_bytes``: ``2 * hwm * max_message_bytes`` bytes, plus the kernel's socket
+      buffers. ``hwm`` defaults to ``max(HWM_FLOOR, inflight_bytes // (2 * max_message_bytes))``,
+      which keeps this under ``inflight_bytes`` (default 256 MiB: hwm 16) whenever the floor does
+      not apply; an explicit ``hwm`` (messages) overrides it.
+
+    and j's mailbox (received, not yet taken by j's dataflows, from all peers together) holds at
+    most ``mailbox_bytes`` (default 16 MiB) plus one message.
+
+    Tuning: ``heartbeat_ivl`` /
     ``heartbeat_timeout`` seconds (ZMTP PING/PONG) detect a silent peer host (generous: a peer
     busy in one long step stops reading once its inbound queue is full, and then does not answer
     PINGs either; a crashed process is noticed at once by its closed connection); ``goodbye_grace``
@@ -90,27 +121,33 @@ class ZmqAllocator:
     """
 
     def __init__(self, index: int, peers: int, endpoints: list[str], token: str, *,
-                 bind: str | None = None, hwm: int = 256, backlog_bytes: int = 16 << 20,
-                 startup_timeout: float = 30.0, heartbeat_ivl: float = 1.0, heartbeat_timeout: float = 30.0,
-                 goodbye_grace: float = 1.0, close_timeout: float = 30.0, receive_batch: int = 256,
-                 receive_bytes: int = 256 << 10) -> None:
+                 bind: str | None = None, secret: JobSecret | None = None, max_message_bytes: int = 8 << 20,
+                 inflight_bytes: int = 256 << 20, hwm: int | None = None, backlog_bytes: int = 16 << 20,
+                 mailbox_bytes: int = 16 << 20, startup_timeout: float = 30.0, heartbeat_ivl: float = 1.0,
+                 heartbeat_timeout: float = 30.0, goodbye_grace: float = 1.0, close_timeout: float = 30.0,
+                 receive_batch: int = 256, receive_bytes: int = 256 << 10) -> None:
         if not 0 <= index < peers:
             raise ValueError(f"worker index {index} out of range for {peers} workers")
         if peers - 1 > MAX_SOURCE:
             raise ValueError(f"at most {MAX_SOURCE + 1} workers are supported, not {peers}")
         if len(endpoints) != peers:
             raise ValueError(f"{len(endpoints)} endpoints given for {peers} workers")
+        if max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be at least 1024, not {max_message_bytes}")
+        if hwm is None:
+            hwm = max(HWM_FLOOR, inflight_bytes // (2 * max_message_bytes))
         self.index = index
         self.peers = peers
         self._mailbox = Mailbox(index)
         # None for a single worker: every push is then a loopback, and nothing is opened.
         self._links: Links | None = None
         if peers > 1:
-            tuning = Tuning(hwm=hwm, backlog_bytes=backlog_bytes, startup_timeout=startup_timeout,
+            tuning = Tuning(hwm=hwm, max_message_bytes=max_message_bytes, backlog_bytes=backlog_bytes,
+                            mailbox_bytes=mailbox_bytes, startup_timeout=startup_timeout,
                             heartbeat_ivl=heartbeat_ivl, heartbeat_timeout=heartbeat_timeout,
                             goodbye_grace=goodbye_grace, close_timeout=close_timeout,
                             receive_batch=receive_batch, receive_bytes=receive_bytes)
-            self._links = Links(index, endpoints, token, bind or endpoints[index], self._mailbox.deliver, tuning)
+            self._links = Links(index, endpoints, token, bind or endpoints[index], self._mailbox, tuning, secret)
 
     def allocate(self, channel: int) -> tuple[list[Pusher], Puller]:
         """Return one pusher per worker (by index) and this worker's puller for ``channel``."""
@@ -141,7 +178,10 @@ class ZmqAllocator:
             self._links.release()
 
     def events(self) -> list[int]:
-        """Return (and clear) the ids of channels that received messages since the last call."""
+        """Return (and clear) the ids of channels that received messages since the last call.
+
+        The caller reads those channels' pullers: received messages count against
+        ``mailbox_bytes`` until they are reported here (past it, nothing more is received)."""
         return self._mailbox.take_events()
 
     def await_events(self, timeout: float | None) -> None:
@@ -161,6 +201,12 @@ class ZmqAllocator:
     def finished(self) -> Set[int]:
         """The workers that said goodbye (their data, delivered before it, is in the pullers)."""
         return frozenset() if self._links is None else self._links.finished
+
+    @property
+    def refused(self) -> int:
+        """How many messages this worker refused from connections that had not completed the
+        handshake (strangers, other jobs, garbage); each is logged, rate-limited, and ignored."""
+        return 0 if self._links is None else self._links.refusals.count
 
     def close(self, abort: str | None = None) -> None:
         """Say goodbye and release the sockets.
