@@ -1,9 +1,10 @@
 """The Spark side's connections to a timely cluster (no PySpark needed here).
 
 Used by the data source in Spark's driver and executor Python workers, and by user code
-(``spark_bridge.shutdown``, ``close_stream``, ``status``). ZeroMQ sockets are cached per process
-and per endpoint: Spark reuses its Python workers across tasks, so a task finds its sockets open.
-The context is created lazily and re-created after a fork (never shared across ``fork``).
+(``spark_bridge.shutdown``, ``close_stream``, ``status``). ZeroMQ sockets are cached per process,
+endpoint and secret: Spark reuses its Python workers across tasks, so a task finds its sockets open.
+The context is created lazily and re-created after a fork (never shared across ``fork``). With a
+job secret (:class:`~timely.comm.secret.JobSecret`) every socket is a CURVE client of the job.
 """
 from __future__ import annotations
 
@@ -15,15 +16,22 @@ from typing import Any
 
 import zmq
 
+from timely.comm.secret import JobSecret, resolve
+
 from . import protocol as P
 from .errors import ClusterStopping, CoordinatorUnreachable, WorkerUnreachable, from_reply
 from .protocol import Op, Request
 
 DEFAULT_TIMEOUT = 30.0
+#: The longest an abort waits for the coordinator's answer: Spark aborts a write that already
+#: failed, typically because the cluster stopped answering, so the abort must not add another
+#: ``timeout`` to the failure (the request still leaves in the background if the cluster answers).
+ABORT_WAIT = 1.0
+_SECRET_HINT = "(a job with a secret answers only clients given the same one: option 'secret' or $TIMELY_SECRET)"
 
 _ctx: zmq.Context | None = None
 _ctx_pid: int | None = None
-_links: dict[tuple, WorkerLink] = {}  # (thread, endpoint) -> link: ZeroMQ sockets are not thread-safe
+_links: dict[tuple, WorkerLink] = {}  # (thread, endpoint, secret) -> link: ZeroMQ sockets are not thread-safe
 
 
 def context() -> zmq.Context:
@@ -39,27 +47,35 @@ def context() -> zmq.Context:
 class Coordinator:
     """Requests to worker 0's coordinator endpoint; each gets a fresh socket and a deadline."""
 
-    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, secret: JobSecret | None = None) -> None:
         if not endpoint:
             raise ValueError("the 'endpoint' option (the timely coordinator, e.g. tcp://127.0.0.1:7447) is required")
         self.endpoint = endpoint
         self.timeout = float(timeout)
+        self.secret = secret
 
-    def request(self, op: Request, **fields: Any) -> dict:
-        """Send one request, wait for its reply; raise the reply's error (see ``errors.from_reply``)."""
+    def request(self, op: Request, wait: float | None = None, **fields: Any) -> dict:
+        """Send one request, wait for its reply (at most ``wait`` seconds, default the timeout);
+        raise the reply's error (see ``errors.from_reply``). A request whose reply is not awaited
+        keeps being sent in the background for up to the timeout."""
         fields["op"] = op.value
+        wait = self.timeout if wait is None else min(wait, self.timeout)
         sock = context().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.secret is not None:
+            self.secret.connect(sock)
+        linger = 0
         try:
             sock.connect(self.endpoint)
             sock.send(P.pack(fields))
-            if not sock.poll(int(self.timeout * 1000)):
+            if not sock.poll(int(wait * 1000)):
+                linger = int((self.timeout - wait) * 1000)
                 raise CoordinatorUnreachable(
                     f"timely coordinator at {self.endpoint} did not answer a '{op.value}' request within "
-                    f"{self.timeout:g} s: is the timely job running and serving that endpoint?")
+                    f"{wait:g} s: is the timely job running and serving that endpoint? {_SECRET_HINT}")
             reply = P.unpack(sock.recv())
         finally:
-            sock.close(linger=0)
+            sock.close(linger=linger)
         if not reply.get("ok"):
             raise from_reply(reply)
         return reply
@@ -68,9 +84,11 @@ class Coordinator:
 class WorkerLink:
     """A DEALER socket to one worker's data endpoint (cached per process)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, secret: JobSecret | None = None) -> None:
         self.endpoint = endpoint
         self.sock = context().socket(zmq.DEALER)
+        if secret is not None:
+            secret.connect(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 256)
         self.sock.setsockopt(zmq.RCVHWM, 0)
@@ -80,12 +98,13 @@ class WorkerLink:
         self.key: tuple | None = None  # where the per-process cache holds this link
 
     @staticmethod
-    def get(endpoint: str) -> WorkerLink:
+    def get(endpoint: str, secret: JobSecret | None = None) -> WorkerLink:
+        """This thread's link to ``endpoint`` (a CURVE client with ``secret``)."""
         context()
-        key = (threading.get_ident(), endpoint)
+        key = (threading.get_ident(), endpoint, secret)
         link = _links.get(key)
         if link is None:
-            link = _links[key] = WorkerLink(endpoint)
+            link = _links[key] = WorkerLink(endpoint, secret)
             link.key = key
         return link
 
@@ -106,7 +125,7 @@ class WorkerLink:
             self.discard()
             raise WorkerUnreachable(
                 f"timely worker {worker} at {self.endpoint} accepted no data for {timeout:g} s: "
-                "the cluster stopped or is stuck") from None
+                f"the cluster stopped or is stuck {_SECRET_HINT}") from None
 
     def check(self, key: bytes) -> None:
         """Raise at once if the worker already rejected the write ``key`` (non-blocking)."""
@@ -128,15 +147,16 @@ class WorkerLink:
                 self.discard()
                 raise WorkerUnreachable(
                     f"timely worker {worker} at {self.endpoint} did not answer ({what}) within {timeout:g} s: "
-                    "the cluster stopped or is stuck")
+                    f"the cluster stopped or is stuck {_SECRET_HINT}")
             frames = self.sock.recv_multipart(copy=False)
             if len(frames) >= 3 and frames[1].bytes == key and frames[0].bytes in kinds:
                 return frames
 
 
-def request_worker(endpoint: str, worker: int, op: Op, body: dict, timeout: float) -> dict:
+def request_worker(endpoint: str, worker: int, op: Op, body: dict, timeout: float,
+                   secret: JobSecret | None = None) -> dict:
     """One request/reply exchange with a worker's data endpoint (``Op.STATUS``, ``RELEASE``, ``STOP``)."""
-    link = WorkerLink.get(endpoint)
+    link = WorkerLink.get(endpoint, secret)
     reqid = uuid.uuid4().bytes
     link.send([op, reqid, P.pack(body)], timeout, worker)
     frames = link.recv_reply((op.reply,), reqid, timeout, worker, op.name.lower())
@@ -146,10 +166,11 @@ def request_worker(endpoint: str, worker: int, op: Op, body: dict, timeout: floa
     return reply
 
 
-def read_epochs(endpoint: str, worker: int, sink: str, start: int, end: int, timeout: float) -> Iterator[tuple[int, Any]]:
+def read_epochs(endpoint: str, worker: int, sink: str, start: int, end: int, timeout: float,
+                secret: JobSecret | None = None) -> Iterator[tuple[int, Any]]:
     """``(epoch, body)`` for every output batch of ``sink`` at ``start <= epoch < end`` on one worker
     (body: a ZeroMQ frame holding a serialized RecordBatch)."""
-    link = WorkerLink.get(endpoint)
+    link = WorkerLink.get(endpoint, secret)
     reqid = uuid.uuid4().bytes
     link.send([Op.READ, reqid, P.pack({"sink": sink, "start": start, "end": end})], timeout, worker)
     while True:
@@ -165,27 +186,32 @@ def read_epochs(endpoint: str, worker: int, sink: str, start: int, end: int, tim
 
 
 # -- cluster-wide operations --------------------------------------------------------------------------
-def status(endpoint: str, timeout: float = 10.0) -> dict:
-    """The coordinator's view: ``peers``, ``sources``, ``sinks``, ``endpoints`` (once registered)."""
-    return Coordinator(endpoint, timeout).request(Request.STATUS)
+Secret = str | JobSecret | None  # a job secret's text or keys; None: from the environment (resolve())
 
 
-def close_stream(endpoint: str, stream: str, timeout: float = 10.0) -> None:
+def status(endpoint: str, timeout: float = 10.0, secret: Secret = None) -> dict:
+    """The coordinator's view: ``peers``, ``sources``, ``sinks``, ``endpoints`` (once registered),
+    ``refused`` (malformed messages refused so far). ``secret``: the job's (default: the environment)."""
+    return Coordinator(endpoint, timeout, resolve(secret)).request(Request.STATUS)
+
+
+def close_stream(endpoint: str, stream: str, timeout: float = 10.0, secret: Secret = None) -> None:
     """Close the source ``stream``: no more writes; its frontier empties once pending commits are out."""
-    Coordinator(endpoint, timeout).request(Request.CLOSE, stream=stream)
+    Coordinator(endpoint, timeout, resolve(secret)).request(Request.CLOSE, stream=stream)
 
 
-def shutdown(endpoint: str, timeout: float = 10.0) -> None:
+def shutdown(endpoint: str, timeout: float = 10.0, secret: Secret = None) -> None:
     """Stop the bridge on every worker: sources close, writes in flight fail, sinks stop serving.
 
     The timely job's dataflows can then complete, so its workers finish.
     """
-    coord = Coordinator(endpoint, timeout)
+    keys = resolve(secret)
+    coord = Coordinator(endpoint, timeout, keys)
     info = coord.request(Request.STATUS)
     for i, ep in enumerate(info.get("endpoints") or []):
         if ep and i != 0:  # worker 0 stops on the coordinator's request, last
             try:
-                request_worker(ep, i, Op.STOP, {}, timeout)
+                request_worker(ep, i, Op.STOP, {}, timeout, keys)
             except ClusterStopping:
                 pass
     coord.request(Request.SHUTDOWN)

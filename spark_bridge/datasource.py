@@ -32,45 +32,17 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 
+from timely.comm.secret import JobSecret
+
+from . import options as O
 from . import protocol as P
 from . import schema as S
-from .client import DEFAULT_TIMEOUT, Coordinator, WorkerLink, from_reply, read_epochs, request_worker
+from .checks import DEFAULT_MAX_MESSAGE_BYTES
+from .client import ABORT_WAIT, Coordinator, WorkerLink, from_reply, read_epochs, request_worker
 from .errors import BridgeError, SchemaMismatch
 from .protocol import Op, Request
 
 NAME = "timely"
-
-
-# -- options -------------------------------------------------------------------------------------------
-def _opt(options: Any, *names: str, default: Any = None) -> Any:
-    for n in names:
-        v = options.get(n.lower()) if hasattr(options, "get") else None
-        if v is None and hasattr(options, "get"):
-            v = options.get(n)
-        if v is not None and v != "":
-            return v
-    return default
-
-
-def _required(options: Any, names: tuple[str, ...], missing: str) -> str:
-    value = _opt(options, *names)
-    if not value:
-        raise BridgeError(f"format('timely') needs the option '{names[0]}': {missing}")
-    return value
-
-
-def _endpoint(options: Any) -> str:
-    return _required(options, ("endpoint", "timely.coordinator", "coordinator"),
-                     "the coordinator of the timely job, e.g. .option('endpoint', 'tcp://127.0.0.1:7447')")
-
-
-def _stream(options: Any) -> str:
-    return _required(options, ("stream", "timely.stream", "path"),
-                     "the name given to spark_bridge.source (writes) or spark_bridge.sink (reads)")
-
-
-def _timeout(options: Any) -> float:
-    return float(_opt(options, "timeout", "timely.timeout", default=DEFAULT_TIMEOUT))
 
 
 def _fields_of(schema: Any) -> list:
@@ -98,19 +70,45 @@ class WritePlan:
     endpoints: list  # [[data endpoint, generation] per worker]
     key_index: int | None
     timeout: float
+    secret: JobSecret | None = None  # pickled with the plan to the executors
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # the workers' limit of one frame
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """A client of the job's coordinator, as the plan's options configured it."""
+        return Coordinator(self.endpoint, self.timeout, self.secret)
 
 
 def _plan_write(options: Any, schema: Any, overwrite: bool, query: str, batch: int | None) -> WritePlan:
     if overwrite:
         raise BridgeError("format('timely') is append-only: a write adds one epoch to a timely stream; "
                           "use mode('append') (or outputMode('append'/'update') for streams)")
-    endpoint, stream, timeout = _endpoint(options), _stream(options), _timeout(options)
+    coordinator, stream = O.coordinator(options), O.stream(options)
     fields = _fields_of(schema)
-    key = _opt(options, "keyColumn", "key.column", "timely.keyColumn")
-    reply = Coordinator(endpoint, timeout).request(Request.PLAN, stream=stream, kind="write", schema=fields, key=key)
+    key = O.opt(options, "keyColumn", "key.column", "timely.keyColumn")
+    reply = coordinator.request(Request.PLAN, stream=stream, kind="write", schema=fields, key=key)
     names = [n for n, _ in fields]
-    return WritePlan(endpoint, stream, query, batch, batch is not None, reply["endpoints"],
-                     names.index(key) if key is not None else None, timeout)
+    return WritePlan(coordinator.endpoint, stream, query, batch, batch is not None, reply["endpoints"],
+                     names.index(key) if key is not None else None, coordinator.timeout, coordinator.secret,
+                     int(reply.get("max_message_bytes") or DEFAULT_MAX_MESSAGE_BYTES))
+
+
+#: Room left in a frame for the Arrow IPC message header around a batch's buffers.
+_FRAME_MARGIN = 64 << 10
+
+
+def _fitting(rb: Any, limit: int) -> Iterator[tuple[Any, Any]]:
+    """``(batch, serialized)`` pieces of ``rb`` that each fit the workers' frame ``limit``."""
+    body = rb.serialize()
+    if body.size <= limit:
+        yield rb, body
+        return
+    if rb.num_rows <= 1:
+        raise BridgeError(f"a row of {body.size} bytes exceeds the timely bridge's message limit of {limit} bytes "
+                          f"(the job's max_message_bytes)")
+    half = rb.num_rows // 2
+    yield from _fitting(rb.slice(0, half), limit)
+    yield from _fitting(rb.slice(half), limit)
 
 
 def _write(plan: WritePlan, iterator: Iterator[Any], batch: int) -> TimelyCommitMessage:
@@ -131,14 +129,15 @@ def _write(plan: WritePlan, iterator: Iterator[Any], batch: int) -> TimelyCommit
     def send(w: int, rb: Any) -> None:
         link = links.get(w)
         if link is None:
-            link = links[w] = WorkerLink.get(plan.endpoints[w][0])
+            link = links[w] = WorkerLink.get(plan.endpoints[w][0], plan.secret)
             header = {"stream": plan.stream, "query": plan.query, "batch": batch, "partition": partition,
                       "attempt": attempt, "generation": plan.endpoints[w][1]}
             link.send([Op.BEGIN, tok, P.pack(header), schema_ipc], timeout, w)
-        link.send([Op.DATA, tok, P.ROWS.pack(rb.num_rows), rb.serialize()], timeout, w)
+        for piece, body in _fitting(rb, max(plan.max_message_bytes - _FRAME_MARGIN, plan.max_message_bytes // 2)):
+            link.send([Op.DATA, tok, P.ROWS.pack(piece.num_rows), body], timeout, w)
+            rows[w] += piece.num_rows
+            batches[w] += 1
         link.check(tok)
-        rows[w] += rb.num_rows
-        batches[w] += 1
 
     rr = partition % peers
     key = plan.key_index
@@ -184,14 +183,14 @@ def _tokens(messages: list) -> list:
 
 
 def _commit(plan: WritePlan, messages: list, batch: int) -> dict:
-    return Coordinator(plan.endpoint, plan.timeout).request(
+    return plan.coordinator.request(
         Request.COMMIT, stream=plan.stream, query=plan.query, batch=batch, tokens=_tokens(messages), final=plan.final)
 
 
 def _abort(plan: WritePlan, messages: list, batch: int) -> None:
     try:
-        Coordinator(plan.endpoint, plan.timeout).request(
-            Request.ABORT, stream=plan.stream, query=plan.query, batch=batch, tokens=_tokens(messages), final=plan.final)
+        plan.coordinator.request(Request.ABORT, ABORT_WAIT, stream=plan.stream, query=plan.query, batch=batch,
+                                 tokens=_tokens(messages), final=plan.final)
     except BridgeError as e:  # Spark is failing the write already; do not hide its error
         print(f"spark_bridge: abort of stream '{plan.stream}' batch {batch} not delivered: {e}", file=sys.stderr)
 
@@ -245,6 +244,7 @@ class ReadPartition(InputPartition):
     fields: list
     epoch_column: str | None
     timeout: float
+    secret: JobSecret | None = None
 
     def __post_init__(self) -> None:
         self.value = self.worker
@@ -256,7 +256,7 @@ def _read(p: ReadPartition) -> Iterator[Any]:
     if p.end <= p.start:
         return
     schema = S.arrow_schema([tuple(f) for f in p.fields])
-    for epoch, frame in read_epochs(p.endpoint, p.worker, p.sink, p.start, p.end, p.timeout):
+    for epoch, frame in read_epochs(p.endpoint, p.worker, p.sink, p.start, p.end, p.timeout, p.secret):
         rb = pa.ipc.read_record_batch(pa.py_buffer(frame.buffer), schema)
         if p.epoch_column:
             rb = rb.append_column(p.epoch_column, pa.array([epoch] * rb.num_rows, pa.int64()))
@@ -267,16 +267,17 @@ class _SinkClient:
     """Planning for reads: the sink's workers, its completed epochs, releases."""
 
     def __init__(self, options: Any) -> None:
-        self.endpoint = _endpoint(options)
-        self.sink = _stream(options)
-        self.timeout = _timeout(options)
-        self.epoch_column = _opt(options, "epochColumn", "timely.epochColumn")
-        plan = Coordinator(self.endpoint, self.timeout).request(Request.PLAN, stream=self.sink, kind="read")
+        coordinator = O.coordinator(options)
+        self.endpoint, self.timeout, self.secret = coordinator.endpoint, coordinator.timeout, coordinator.secret
+        self.sink = O.stream(options)
+        self.epoch_column = O.opt(options, "epochColumn", "timely.epochColumn")
+        plan = coordinator.request(Request.PLAN, stream=self.sink, kind="read")
         self.endpoints = [e[0] for e in plan["endpoints"]]
         self.fields = plan["fields"]
 
     def statuses(self) -> list[dict]:
-        return [request_worker(ep, i, Op.STATUS, {"sink": self.sink}, self.timeout) for i, ep in enumerate(self.endpoints)]
+        return [request_worker(ep, i, Op.STATUS, {"sink": self.sink}, self.timeout, self.secret)
+                for i, ep in enumerate(self.endpoints)]
 
     def latest(self, statuses: list[dict] | None = None) -> int:
         """Every epoch below the result is complete on every worker."""
@@ -290,12 +291,12 @@ class _SinkClient:
         return max(s["released"] for s in (statuses or self.statuses()))
 
     def partitions(self, start: int, end: int) -> list[ReadPartition]:
-        return [ReadPartition(i, ep, self.sink, start, end, self.fields, self.epoch_column, self.timeout)
+        return [ReadPartition(i, ep, self.sink, start, end, self.fields, self.epoch_column, self.timeout, self.secret)
                 for i, ep in enumerate(self.endpoints)]
 
     def release(self, upto: int) -> None:
         for i, ep in enumerate(self.endpoints):
-            request_worker(ep, i, Op.RELEASE, {"sink": self.sink, "upto": upto}, self.timeout)
+            request_worker(ep, i, Op.RELEASE, {"sink": self.sink, "upto": upto}, self.timeout, self.secret)
 
 
 class TimelyBatchReader(DataSourceReader):
@@ -310,9 +311,9 @@ class TimelyBatchReader(DataSourceReader):
 
         c = _SinkClient(self.options)
         st = c.statuses()
-        start = _opt(self.options, "startingEpoch")
+        start = O.opt(self.options, "startingEpoch")
         start = c.released(st) if start is None else int(start)
-        end = _opt(self.options, "endingEpoch")
+        end = O.opt(self.options, "endingEpoch")
         if end is None:
             end = c.latest(st)
         else:
@@ -348,14 +349,14 @@ class TimelyStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._client
 
     def initialOffset(self) -> dict:
-        start = _opt(self.options, "startingEpoch")
+        start = O.opt(self.options, "startingEpoch")
         return {"epoch": self.client.released() if start is None else int(start)}
 
     def latestOffset(self, start: dict, limit: Any) -> dict:
         latest = self.client.latest()
         if self._target is not None:
             latest = min(latest, self._target)
-        most = _opt(self.options, "maxEpochsPerTrigger")
+        most = O.opt(self.options, "maxEpochsPerTrigger")
         if most is not None:
             latest = min(latest, int(start["epoch"]) + int(most))
         return {"epoch": max(int(start["epoch"]), latest)}
@@ -383,7 +384,9 @@ class TimelyDataSource(DataSource):
     ``queryId``: streaming writes: the query's stable identity (default: ``checkpointLocation``,
     else ``queryName``). ``timeout``: seconds to wait for the cluster (default 30).
     ``startingEpoch`` / ``endingEpoch``: reads. ``epochColumn``: reads add the epoch as a bigint column.
-    ``maxEpochsPerTrigger``: streaming reads.
+    ``maxEpochsPerTrigger``: streaming reads. ``secret`` (the text) or ``secretFile`` (a file
+    holding it): the job's secret, when it has one (default: ``$TIMELY_SECRET`` /
+    ``$TIMELY_SECRET_FILE``); Spark redacts options named like ``secret`` in its logs and UI.
     """
 
     @classmethod
@@ -391,10 +394,9 @@ class TimelyDataSource(DataSource):
         return NAME
 
     def schema(self) -> str:
-        c = Coordinator(_endpoint(self.options), _timeout(self.options))
-        fields = c.request(Request.PLAN, stream=_stream(self.options), kind="read")["fields"]
-        fields = [tuple(f) for f in fields]
-        col = _opt(self.options, "epochColumn", "timely.epochColumn")
+        plan = O.coordinator(self.options).request(Request.PLAN, stream=O.stream(self.options), kind="read")
+        fields = [tuple(f) for f in plan["fields"]]
+        col = O.opt(self.options, "epochColumn", "timely.epochColumn")
         if col:
             fields.append((col, "bigint"))
         return S.ddl(fields)
@@ -403,7 +405,7 @@ class TimelyDataSource(DataSource):
         return TimelyBatchWriter(_plan_write(self.options, schema, overwrite, "write-" + uuid.uuid4().hex, 0))
 
     def streamWriter(self, schema: Any, overwrite: bool) -> TimelyStreamWriter:
-        query = _opt(self.options, "queryId", "timely.queryId", "checkpointLocation", "queryName")
+        query = O.opt(self.options, "queryId", "timely.queryId", "checkpointLocation", "queryName")
         if not query:
             raise BridgeError("a streaming write to format('timely') needs a stable query identity for "
                               "exactly-once: set option('checkpointLocation', ...) (or option('queryId', ...))")
@@ -411,7 +413,7 @@ class TimelyDataSource(DataSource):
 
     def _check_read_schema(self, schema: Any) -> None:
         declared = S.parse(self.schema())
-        bad = S.mismatch(_stream(self.options), declared, S.parse(schema), side="the schema given to the read")
+        bad = S.mismatch(O.stream(self.options), declared, S.parse(schema), side="the schema given to the read")
         if bad:
             raise SchemaMismatch(bad)
 

@@ -16,12 +16,12 @@ committed batch) without a new decision.
 """
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 from . import protocol as P
-from .errors import BridgeError
 from .protocol import Request
 
 Key = tuple[str, int]  # (query, batch)
@@ -73,6 +73,8 @@ class Staging:
         self.closed = False  # this worker's source is complete: no write is accepted any more
         self.dropped_rows = 0  # rows of losing, failed or aborted attempts
         self.duplicate_rows = 0  # rows of replays of batches already committed
+        self.refused_rows = 0  # rows a commit listed for attempts this worker did not stage whole
+        self.report: Callable[[str], None] = _stderr  # where a refused part of a commit is told
 
     def __contains__(self, token: str) -> bool:
         return token in self.tokens
@@ -155,19 +157,33 @@ class Staging:
             self.drop(t for t, _ in tokens)
         return [], None
 
+    def unstaged(self, query: str, batch: int, tokens: list) -> Iterator[tuple[str, int, str]]:
+        """``(token, rows, message)`` for each attempt a commit lists with rows on this worker that
+        this worker did not stage whole (never from Spark, which commits only attempts every worker
+        acknowledged as staged: a forged or corrupted commit)."""
+        for token, per_worker in tokens:
+            want = {int(w): int(r) for w, r in per_worker}.get(self.worker, 0)
+            st = self.tokens.get(token)
+            if want and (st is None or not st.ended or st.rows != want):
+                have = "nothing" if st is None else f"{st.rows} rows{'' if st.ended else ' (not ended)'}"
+                yield token, want, (f"stream '{self.name}': commit of query {query} batch {batch} lists {want} rows "
+                                    f"of task attempt {token} on worker {self.worker}, but this worker staged {have}")
+
     def _take(self, query: str, batch: int, tokens: list, final: bool) -> tuple[list, bytes | None]:
+        skip = set()  # refused attempts, and those taken already (a commit listing one twice)
+        for token, rows, message in self.unstaged(query, batch, tokens):
+            # Refused here (worker 0's coordinator refuses such commits for its own share first):
+            # a bad commit must not take the job down.
+            self.refused_rows += rows
+            skip.add(token)
+            self.report(f"{message}: refused, those rows are not emitted")
         frames: list = []
         schema = None
         for token, per_worker in tokens:
-            want = {int(w): int(r) for w, r in per_worker}.get(self.worker, 0)
-            if not want:
+            if token in skip or not {int(w): int(r) for w, r in per_worker}.get(self.worker, 0):
                 continue
-            st = self.tokens.get(token)
-            if st is None or not st.ended or st.rows != want:
-                have = "nothing" if st is None else f"{st.rows} rows{'' if st.ended else ' (not ended)'}"
-                raise BridgeError(
-                    f"stream '{self.name}': commit of query {query} batch {batch} lists {want} rows of task "
-                    f"attempt {token} on worker {self.worker}, but this worker staged {have}")
+            skip.add(token)
+            st = self.tokens[token]
             frames.extend(st.frames)
             schema = st.schema
             st.rows = 0  # taken: dropped below with the other attempts, uncounted
@@ -195,6 +211,10 @@ class Staging:
         self.drop(list(self.tokens))
 
 
+def _stderr(message: str) -> None:
+    print(f"spark_bridge: {message}", file=sys.stderr, flush=True)
+
+
 class Decision(NamedTuple):
     """What the coordinator decided, in the order the control operator must publish it."""
 
@@ -218,6 +238,7 @@ class CommitLedger:
         self._decisions: deque[Decision] = deque()
         self._committed: dict[Key, int] = {}  # -> epoch
         self._watermark: dict[str, int] = {}  # query -> highest committed batch (streaming queries)
+        self._queued: dict[str, int] = {}  # query -> highest batch with a commit decision (streaming queries)
         self._waiting: dict[Key, list] = {}  # requesters of a commit decided or queued, not yet answered
         self._acks: list[tuple[int, Key, int]] = []  # (epoch, key, rows) published, not yet passed
         self.close_requested = False
@@ -232,9 +253,10 @@ class CommitLedger:
         return not (self.close_requested or self.done)
 
     def request_commit(self, requester: Hashable, query: str, batch: int, tokens: list, final: bool,
-                       stopping: str | None = None) -> dict | None:
+                       stopping: str | None = None, unstaged: Callable[[], str | None] | None = None) -> dict | None:
         """A commit request: its reply now, or None when it is answered later by :meth:`acknowledge`
-        or :meth:`finish`. ``stopping``: the message refusing new commits (the bridge is stopping)."""
+        or :meth:`finish`. ``stopping``: the message refusing new commits (the bridge is stopping);
+        ``unstaged()``: why a new commit lists attempts that were not staged, if it does (refused)."""
         key = (query, batch)
         if key in self._committed:
             return P.ok(epoch=self._committed[key], duplicate=True, rows=0)
@@ -247,6 +269,16 @@ class CommitLedger:
             return None
         if not self.open:
             return P.error(f"stream '{self.name}' is closed: commit of batch {batch} rejected", "stopping")
+        if not final and batch < self._queued.get(query, -1):
+            # Invariant: a streaming query's commits are decided in batch order (publishing a batch
+            # drops the staged attempts of every earlier batch of the query on every worker).
+            return P.error(f"stream '{self.name}': commit of batch {batch} of streaming query {query} after its "
+                           f"batch {self._queued[query]}: micro-batches commit in batch order; refused")
+        bad = unstaged() if unstaged is not None else None
+        if bad is not None:
+            return P.error(f"{bad}: commit refused")
+        if not final:
+            self._queued[query] = batch
         self._waiting[key] = [requester]
         rows = sum(int(r) for _, per in tokens for _, r in per)
         self._decisions.append(Decision(Request.COMMIT, query, batch, tokens, final, rows))

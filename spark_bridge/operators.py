@@ -26,20 +26,41 @@ shutdown (or, with ``keep_alive=False``, until every epoch was released).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any
 
 from . import schema as S
 from .protocol import Request
-from .server import BridgeServer, Wakeup, serve
+from .server import BridgeServer, serve
 
 _EMIT_ROWS = 1 << 18  # rows emitted per activation before yielding to downstream operators
+_FAST, _MEDIUM, _SLOW = 0.001, 0.01, 0.05  # poll intervals: traffic within 0.1 s, within 1 s, idle
 
 
-def _server_for(scope: Any, coordinator: str | None, host: str | None) -> BridgeServer:
+class Wakeup:
+    """Re-activates one operator after the bridge's current poll interval (one pending timer at most)."""
+
+    def __init__(self, server: BridgeServer, activator: Any) -> None:
+        self.server = server
+        self.activator = activator
+        self.at = 0.0
+
+    def rearm(self) -> None:
+        """Schedule the operator again; the back-off grows while no message arrives."""
+        now = time.monotonic()
+        idle = now - self.server.last_activity
+        iv = _FAST if idle < 0.1 else _MEDIUM if idle < 1.0 else _SLOW
+        if self.at <= now or self.at > now + iv + 0.0005:
+            self.activator.activate_after(iv)
+            self.at = now + iv
+
+
+def _server_for(scope: Any, coordinator: str | None, host: str | None, secret: Any,
+                max_message_bytes: int | None) -> BridgeServer:
     if getattr(scope, "levels", 1) != 1:
         raise ValueError("spark_bridge sources and sinks live in the top-level scope (integer epochs)")
-    return serve(scope.worker, coordinator, host)
+    return serve(scope.worker, coordinator, host, secret=secret, max_message_bytes=max_message_bytes)
 
 
 def _pylist(col: Any) -> list:
@@ -60,7 +81,8 @@ def arrow_to_rows(batch: Any) -> list[tuple]:
 
 
 def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
-           coordinator: str | None = None, host: str | None = None) -> Any:
+           coordinator: str | None = None, host: str | None = None, secret: Any = None,
+           max_message_bytes: int | None = None) -> Any:
     """A stream of the rows Spark writes to the stream ``name`` (``df.write.format("timely")``).
 
     ``schema`` (a Spark DDL string such as ``"key bigint, value double"``, ``(name, type)`` pairs,
@@ -71,9 +93,11 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
     micro-batch of a streaming write) is one epoch: 0, 1, 2, ... in commit order. The stream's
     frontier passes an epoch once every worker has emitted its rows. The source stays open until
     Spark calls ``spark_bridge.close_stream``/``shutdown`` (or the worker calls
-    ``spark_bridge.stop``).
+    ``spark_bridge.stop``). ``secret`` and ``max_message_bytes`` configure the worker's bridge
+    endpoints (see :func:`spark_bridge.serve`): with a secret (default: the worker's, else
+    ``$TIMELY_SECRET``), only Spark clients given the same one can write, read or shut down.
     """
-    server = _server_for(scope, coordinator, host)
+    server = _server_for(scope, coordinator, host, secret, max_message_bytes)
     fields = None if schema is None else S.parse(schema)
     src = server.streams.add_source(name, fields, arrow)
     ledger, staging = src.ledger, src.staging
@@ -193,7 +217,8 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
 
 
 def sink(stream: Any, name: str, schema: Any, *, arrow: bool = False, keep_alive: bool = True,
-         coordinator: str | None = None, host: str | None = None) -> None:
+         coordinator: str | None = None, host: str | None = None, secret: Any = None,
+         max_message_bytes: int | None = None) -> None:
     """Serve the records of ``stream`` to Spark readers (``spark.read.format("timely")``) as the
     output named ``name``, per completed epoch.
 
@@ -203,9 +228,9 @@ def sink(stream: Any, name: str, schema: Any, *, arrow: bool = False, keep_alive
     until a reader commits it (a streaming reader does so when Spark commits its batch). With
     ``keep_alive=True`` (default) the worker keeps serving until ``spark_bridge.shutdown`` (or
     ``spark_bridge.stop`` in the job); with ``False``, until the stream is complete and every epoch
-    was released by a reader.
+    was released by a reader. ``secret`` and ``max_message_bytes``: as for :func:`source`.
     """
-    server = _server_for(stream.scope, coordinator, host)
+    server = _server_for(stream.scope, coordinator, host, secret, max_message_bytes)
     sink_ = server.streams.add_sink(name, S.parse(schema), arrow)  # fails now if a type has no Arrow equivalent
     buffer = sink_.buffer
 

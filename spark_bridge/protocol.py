@@ -5,10 +5,12 @@ Two kinds of endpoint, both ZeroMQ ROUTER sockets bound by the workers; clients 
 **Coordinator** (worker 0 only; the address the user chooses). One frame in, one frame out, each a
 msgpack map. Requests carry ``op``, a :class:`Request`:
 
-- ``hello {worker, endpoint, generation}``: a worker registers its data endpoint (workers 1..N-1 at
-  start-up; not answered).
+- ``hello {worker, endpoint, generation, job}``: a worker registers its data endpoint (workers
+  1..N-1 at start-up; answered only by a refusal: ``job`` names another run of a job, or the
+  worker is registered already).
 - ``plan {stream, kind: "write"|"read", schema, key}``: the data endpoints of every worker, the
-  stream's declared schema; checks the stream exists and the schema matches.
+  stream's declared schema, ``max_message_bytes`` (the largest frame a worker accepts); checks the
+  stream exists and the schema matches.
 - ``commit {stream, query, batch, tokens, final}``: publish a staged batch as the next epoch.
   Answered once every worker's source has emitted the epoch (its frontier passed it).
 - ``abort {stream, query, batch, tokens, final}``: discard the staged data of a batch.
@@ -17,6 +19,11 @@ msgpack map. Requests carry ``op``, a :class:`Request`:
 - ``status {}``: streams, worker endpoints and per-source counters.
 
 Replies are ``{"ok": True, ...}`` or ``{"ok": False, "kind": ..., "error": message}``.
+
+Every message from outside is checked (:mod:`spark_bridge.checks`) before it touches the bridge's
+state: a malformed one is refused (``kind: "refused"`` on the coordinator; logged, unanswered on a
+data endpoint). A frame over the job's ``max_message_bytes`` disconnects its sender. With a job
+secret both endpoints are CURVE servers (:mod:`timely.comm.secret`).
 
 **Data** (every worker). Multipart messages whose first frame is an :class:`Op`:
 

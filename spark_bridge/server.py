@@ -10,14 +10,13 @@ The server only moves messages: it decodes a request, hands it to the stream's s
 (:class:`~spark_bridge.ledger.Staging` and :class:`~spark_bridge.ledger.CommitLedger` for a
 source, :class:`~spark_bridge.sinkbuffer.SinkBuffer` for a sink) and sends the replies that state
 returns. It owns no thread: the bridge's operators call :meth:`BridgeServer.pump` from their logic
-and re-activate themselves through a :class:`Wakeup` (1 ms while traffic flows, backing off to
-50 ms when idle), so the worker parks on its allocator between polls and an idle bridge costs
-nothing measurable.
+and re-activate themselves through a :class:`~spark_bridge.operators.Wakeup` (1 ms while traffic
+flows, backing off to 50 ms when idle), so the worker parks on its allocator between polls and an
+idle bridge costs nothing measurable.
 """
 from __future__ import annotations
 
 import os
-import sys
 import time
 import uuid
 import weakref
@@ -26,15 +25,18 @@ from typing import Any, ClassVar
 
 import zmq
 
+from timely.comm.secret import JobSecret, resolve
+
+from . import checks
 from . import protocol as P
 from .errors import BridgeError
 from .ledger import Staging
 from .protocol import Op, Request
+from .registry import Registry, job_identity
 from .streams import Sink, Source, Streams
 
 _SERVERS: weakref.WeakKeyDictionary[Any, BridgeServer] = weakref.WeakKeyDictionary()
 
-_FAST, _MEDIUM, _SLOW = 0.001, 0.01, 0.05
 GRACE = 0.5  # seconds a stopping bridge keeps answering, so writes in flight fail with a clear message
 
 
@@ -42,34 +44,23 @@ def _now() -> float:
     return time.monotonic()
 
 
-class Wakeup:
-    """Re-activates one operator after the bridge's current poll interval (one pending timer at most)."""
-
-    def __init__(self, server: BridgeServer, activator: Any) -> None:
-        self.server = server
-        self.activator = activator
-        self.at = 0.0
-
-    def rearm(self) -> None:
-        """Schedule the operator again; the back-off grows while no message arrives."""
-        now = _now()
-        idle = now - self.server.last_activity
-        iv = _FAST if idle < 0.1 else _MEDIUM if idle < 1.0 else _SLOW
-        if self.at <= now or self.at > now + iv + 0.0005:
-            self.activator.activate_after(iv)
-            self.at = now + iv
-
-
 class BridgeServer:
     """The sockets of the bridge on one worker, and its streams by name."""
 
-    def __init__(self, worker: Any, coordinator: str, host: str | None = None, endpoint_file: str | None = None) -> None:
+    def __init__(self, worker: Any, coordinator: str, host: str | None = None, endpoint_file: str | None = None,
+                 secret: JobSecret | None = None, max_message_bytes: int = checks.DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.worker = worker
         self.index: int = worker.index
         self.peers: int = worker.peers
         self.requested_endpoint = coordinator  # as given; coordinator_endpoint is the one bound
         self.generation = uuid.uuid4().hex
+        self.secret = secret
+        self.max_message_bytes = int(max_message_bytes)
+        self.refused = checks.RefusalLog(self.index)
         self.ctx = zmq.Context()
+        # With a secret, the context's ZAP handler admits only CURVE clients that hold it; it must
+        # run before the servers bind, and stops in close() after their sockets are closed.
+        self.guard = secret.guard(self.ctx) if secret is not None else None
         self.stopping = False
         self.stop_time = 0.0
         self.closed = False
@@ -83,7 +74,8 @@ class BridgeServer:
         self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
         self.coord: zmq.Socket | None = None
         self.hello: zmq.Socket | None = None
-        self.endpoints: dict[int, tuple[str, str]] = {self.index: (self.data_endpoint, self.generation)}
+        job = job_identity(worker)
+        self.registry = Registry(self.peers, job, self.index, (self.data_endpoint, self.generation))
         if self.index == 0:
             self.coord = self._router()
             bind = coordinator[:-2] + ":*" if coordinator.startswith("tcp://") and coordinator.endswith(":0") else coordinator
@@ -107,12 +99,18 @@ class BridgeServer:
         self.coordinator_endpoint = coordinator
         self.hello = self.ctx.socket(zmq.DEALER)
         self.hello.setsockopt(zmq.LINGER, 1000)
+        if secret is not None:
+            secret.connect(self.hello)
         self.hello.connect(coordinator)
         self.hello.send(P.pack({"op": Request.HELLO.value, "worker": self.index, "endpoint": self.data_endpoint,
-                                "generation": self.generation}))
+                                "generation": self.generation, "job": job}))
 
     def _router(self) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
+        if self.secret is not None:
+            self.secret.serve(s)
+        # ZeroMQ disconnects a peer sending a larger frame, before buffering it whole.
+        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         s.setsockopt(zmq.LINGER, 200)
         s.setsockopt(zmq.SNDHWM, 0)  # never drop a reply or an output batch at a high-water mark
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise (and are ignored) instead of vanishing
@@ -147,16 +145,16 @@ class BridgeServer:
         if self.closed:
             return False
         n = 0
-        for sock, handler in ((self.coord, self._on_coord), (self.data, self._on_data), (self.hello, None)):
+        for sock, handler in ((self.coord, self._on_coord), (self.data, self._on_data),
+                              (self.hello, self._on_hello_reply)):
             while sock is not None and n < budget:
                 try:
                     msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 n += 1
-                if handler is not None:
-                    handler(msg)
-        if self.deferred_plans and len(self.endpoints) == self.peers:
+                handler(msg)
+        if self.deferred_plans and self.registry.complete:
             plans, self.deferred_plans = self.deferred_plans, []
             for ident, req in plans:
                 self.answer([(ident, self._plan_reply(req))])
@@ -184,19 +182,36 @@ class BridgeServer:
     def _on_coord(self, msg: list) -> None:
         ident = msg[0].bytes
         try:
-            req = P.unpack(msg[-1].bytes)
-            handler = self._coordinator_ops.get(req.get("op"))
-            reply = P.error(f"unknown request {req.get('op')!r}") if handler is None else handler(self, ident, req)
-        except Exception as e:  # a malformed request must not take the worker down
-            reply = P.error(f"bad request: {e!r}")
+            req = checks.coordinator_request(msg)
+            reply = self._coordinator_ops[req["op"]](self, ident, req)
+        except Exception as e:  # invariant: nothing a client sends takes the worker down
+            self.refused(f"the coordinator {self.coordinator_endpoint}", str(e) or repr(e))
+            reply = P.error(f"timely coordinator {self.coordinator_endpoint} refused the request: {e}", "refused")
         if reply is not None:
             self.answer([(ident, reply)])
 
-    def _hello(self, ident: bytes, req: dict) -> None:
-        self.endpoints[int(req["worker"])] = (req["endpoint"], req["generation"])
+    def _hello(self, ident: bytes, req: dict) -> dict | None:
+        """Register a worker's data endpoint: the first registration of each worker 1..N-1 of this
+        job wins; another job's (a second launch on the same coordinator endpoint) is refused."""
+        problem = self.registry.register(req)
+        if problem is None:
+            return None
+        why = (f"the timely job serving the coordinator endpoint {self.coordinator_endpoint} refused the "
+               f"registration of worker {req['worker']} at {req['endpoint']}: {problem}")
+        self.refused(f"the coordinator {self.coordinator_endpoint}", why)
+        return P.error(why, "refused")
+
+    def _on_hello_reply(self, msg: list) -> None:
+        # Only the coordinator this worker registered with can send here; it answers a refusal only.
+        try:
+            reply = P.unpack(msg[-1].bytes)
+        except Exception:
+            return
+        if isinstance(reply, dict) and reply.get("ok") is False:
+            raise BridgeError(f"spark_bridge worker {self.index}: {reply.get('error')}")
 
     def _plan(self, ident: bytes, req: dict) -> dict | None:
-        if len(self.endpoints) < self.peers and not self.stopping:
+        if not self.registry.complete and not self.stopping:
             self.deferred_plans.append((ident, req))
             return None
         return self._plan_reply(req)
@@ -206,7 +221,8 @@ class BridgeServer:
             return P.error(self.stopping_message(str(req.get("stream"))), "stopping")
         reply = self.streams.plan(req, self.coordinator_endpoint)
         if reply["ok"]:
-            reply.update(peers=self.peers, endpoints=[list(self.endpoints[i]) for i in range(self.peers)])
+            reply.update(peers=self.peers, endpoints=self.registry.plan(),
+                         max_message_bytes=self.max_message_bytes)
         return reply
 
     def _decide(self, req: dict, request: Callable[[Source], dict | None]) -> dict | None:
@@ -220,8 +236,16 @@ class BridgeServer:
         return reply
 
     def _commit(self, ident: bytes, req: dict) -> dict | None:
+        query, batch, tokens = req["query"], req["batch"], req["tokens"]
+
+        def unstaged(src: Source) -> str | None:  # this worker's share of the commit, checked before deciding
+            strangers = sorted({w for _, per in tokens for w, _ in per if w >= self.peers})
+            if strangers:
+                return f"stream '{src.name}': a commit lists rows on workers {strangers} of a {self.peers}-worker job"
+            return next((why for _, _, why in src.staging.unstaged(query, batch, tokens)), None)
+
         return self._decide(req, lambda src: src.ledger.request_commit(
-            ident, req["query"], int(req["batch"]), req["tokens"], bool(req.get("final")), self._refusal(src.name)))
+            ident, query, batch, tokens, bool(req.get("final")), self._refusal(src.name), lambda: unstaged(src)))
 
     def _abort(self, ident: bytes, req: dict) -> dict | None:
         return self._decide(req, lambda src: src.ledger.request_abort(
@@ -236,8 +260,8 @@ class BridgeServer:
 
     def _status(self, ident: bytes, req: dict) -> dict:
         return P.ok(peers=self.peers, sources=sorted(self.streams.sources), sinks=sorted(self.streams.sinks),
-                    registered=len(self.endpoints), stopping=self.stopping,
-                    endpoints=[self.endpoints.get(i, (None,))[0] for i in range(self.peers)],
+                    registered=len(self.registry.endpoints), stopping=self.stopping, refused=self.refused.count,
+                    endpoints=self.registry.known(),
                     stats=self.streams.stats())
 
     _coordinator_ops: ClassVar[dict[str, Callable[..., dict | None]]] = {
@@ -268,10 +292,10 @@ class BridgeServer:
     # -- data requests ------------------------------------------------------------------------
     def _on_data(self, msg: list) -> None:
         try:
-            handler = self._data_ops[Op(msg[1].bytes)]
-            handler(self, msg[0].bytes, msg)
-        except Exception as e:  # a malformed message must not take the worker down
-            print(f"spark_bridge worker {self.index}: bad data message {msg[1].bytes!r}: {e!r}", file=sys.stderr)
+            op, key, body = checks.data_message(msg)
+            self._data_ops[op](self, msg[0].bytes, key, body, msg)
+        except Exception as e:  # invariant: nothing a client sends takes the worker down
+            self.refused(f"the data endpoint {self.data_endpoint}", str(e) or repr(e))
 
     def _staging_of(self, token: str) -> Staging | None:
         for staging in [*(s.staging for s in self.streams.sources.values()), self.orphans]:
@@ -279,74 +303,81 @@ class BridgeServer:
                 return staging
         return None
 
-    def _begin(self, ident: bytes, msg: list) -> None:
-        token, header = msg[2].bytes.decode(), P.unpack(msg[3].bytes)
-        src = self.streams.sources.get(header.get("stream"))
+    def _begin(self, ident: bytes, key: bytes, header: dict, msg: list) -> None:
+        token, schema = key.decode(), msg[4].bytes
+        src = self.streams.sources.get(header["stream"])
         staging = self.orphans if src is None else src.staging
-        staged = staging.begin(token, header["query"], header["batch"], msg[4].bytes, ident,
-                               self._refusal(staging.name))
+        staged = staging.begin(token, header["query"], header["batch"], schema, ident, self._refusal(staging.name))
         if src is None:
-            staged.fail(f"unknown stream '{header.get('stream')}' on worker {self.index}",
+            staged.fail(f"unknown stream '{header['stream']}' on worker {self.index}",
                         "stopping" if self.stopping else "error")
         elif header.get("generation") != self.generation and staged.error is None:
             staged.fail(f"the timely worker {self.index} at {self.data_endpoint} restarted since the write was "
                         f"planned; retry the write")
+        elif staged.error is None:
+            bad = checks.arrow_schema(src.name, src.fields, schema)
+            if bad is not None:
+                staged.fail(bad, "schema")
         reply = staged.rejection()
         if reply is not None:
             self._ack(ident, token, reply)
 
-    def _data_frame(self, ident: bytes, msg: list) -> None:
-        token = msg[2].bytes.decode()
+    def _data_frame(self, ident: bytes, key: bytes, _: None, msg: list) -> None:
+        token = key.decode()
         staging = self._staging_of(token)
         if staging is None:
             return  # unknown token: reported at the end of the write
-        reply = staging.receive(token, P.ROWS.unpack(msg[3].bytes)[0], msg[4], ident)
+        rows = P.ROWS.unpack(msg[3].bytes)[0]
+        staged = staging.tokens[token]
+        if staged.error is None and not staged.discard:
+            bad = checks.arrow_batch(staged.schema, msg[4], rows)
+            if bad is not None:
+                staged.fail(f"write {token} to worker {self.index}: {bad}")
+        reply = staging.receive(token, rows, msg[4], ident)
         if reply is not None:
             self._ack(ident, token, reply)
 
-    def _end(self, ident: bytes, msg: list) -> None:
-        token, summary = msg[2].bytes.decode(), P.unpack(msg[3].bytes)
+    def _end(self, ident: bytes, key: bytes, summary: dict, msg: list) -> None:
+        token = key.decode()
         staging = self._staging_of(token)
         if staging is None:
             reply = P.error(f"worker {self.index} has no staged write {token} (it was discarded or the worker "
                             f"restarted)")
         else:
-            reply = staging.end(token, int(summary["rows"]), int(summary["batches"]), self._refusal(staging.name))
+            reply = staging.end(token, summary["rows"], summary["batches"], self._refusal(staging.name))
         self._ack(ident, token, reply)
 
-    def _sink_request(self, ident: bytes, msg: list, op: Op) -> tuple[Sink | None, dict]:
-        req = P.unpack(msg[3].bytes)
-        sink = self.streams.sinks.get(req.get("sink"))
+    def _sink_request(self, ident: bytes, key: bytes, req: dict, op: Op) -> Sink | None:
+        sink = self.streams.sinks.get(req["sink"])
         if sink is None:
-            self._send(self.data, [ident, op, msg[2], P.pack(P.error(
-                f"unknown sink '{req.get('sink')}' on worker {self.index}; {self.streams.known()}", "unknown_stream"))])
-        return sink, req
+            self._send(self.data, [ident, op, key, P.pack(P.error(
+                f"unknown sink '{req['sink']}' on worker {self.index}; {self.streams.known()}", "unknown_stream"))])
+        return sink
 
-    def _sink_status(self, ident: bytes, msg: list) -> None:
-        sink, _ = self._sink_request(ident, msg, Op.STATUS_REPLY)
+    def _sink_status(self, ident: bytes, key: bytes, req: dict, msg: list) -> None:
+        sink = self._sink_request(ident, key, req, Op.STATUS_REPLY)
         if sink is not None:
-            self._send(self.data, [ident, Op.STATUS_REPLY, msg[2], P.pack(sink.buffer.status())])
+            self._send(self.data, [ident, Op.STATUS_REPLY, key, P.pack(sink.buffer.status())])
 
-    def _read(self, ident: bytes, msg: list) -> None:
-        sink, req = self._sink_request(ident, msg, Op.READ_END)
+    def _read(self, ident: bytes, key: bytes, req: dict, msg: list) -> None:
+        sink = self._sink_request(ident, key, req, Op.READ_END)
         if sink is not None:
-            sink.buffer.request_read((ident, msg[2].bytes), int(req["start"]), int(req["end"]))
+            sink.buffer.request_read((ident, key), req["start"], req["end"])
             self.serve_reads(sink)
             if sink.buffer.reads_waiting and sink.activator is not None:
                 sink.activator.activate()
 
-    def _release(self, ident: bytes, msg: list) -> None:
-        req = P.unpack(msg[3].bytes)
-        sink = self.streams.sinks.get(req.get("sink"))
+    def _release(self, ident: bytes, key: bytes, req: dict, msg: list) -> None:
+        sink = self.streams.sinks.get(req["sink"])
         if sink is not None:
-            sink.buffer.release(int(req["upto"]))
+            sink.buffer.release(req["upto"])
             if sink.activator is not None:
                 sink.activator.activate()
-        self._send(self.data, [ident, Op.RELEASE_REPLY, msg[2], P.pack(P.ok())])
+        self._send(self.data, [ident, Op.RELEASE_REPLY, key, P.pack(P.ok())])
 
-    def _stop_request(self, ident: bytes, msg: list) -> None:
+    def _stop_request(self, ident: bytes, key: bytes, req: dict, msg: list) -> None:
         self.stop()
-        self._send(self.data, [ident, Op.STOP_REPLY, msg[2], P.pack(P.ok())])
+        self._send(self.data, [ident, Op.STOP_REPLY, key, P.pack(P.ok())])
 
     _data_ops: ClassVar[dict[Op, Callable[..., None]]] = {
         Op.BEGIN: _begin, Op.DATA: _data_frame, Op.END: _end, Op.STATUS: _sink_status, Op.READ: _read,
@@ -371,6 +402,8 @@ class BridgeServer:
             for sock in (self.coord, self.data, self.hello):
                 if sock is not None:
                     sock.close(linger=200)
+            if self.guard is not None:
+                self.guard.stop()  # its own socket lives in self.ctx: stopped before term()
             self.ctx.term()
         finally:
             if _SERVERS.get(self.worker) is self:
@@ -387,26 +420,35 @@ def _host_of(endpoint: str) -> str:
 
 
 def serve(worker: Any, coordinator: str | None = None, host: str | None = None,
-          endpoint_file: str | None = None) -> BridgeServer:
+          endpoint_file: str | None = None, *, secret: str | JobSecret | None = None,
+          max_message_bytes: int | None = None) -> BridgeServer:
     """The bridge server of ``worker``, started on first use.
 
     ``coordinator`` is the endpoint worker 0 binds for Spark (``tcp://127.0.0.1:7447``, or
     ``tcp://127.0.0.1:0`` for any free port with one worker; ``ipc:///path`` works too); it defaults
     to the environment variable ``TIMELY_SPARK_COORDINATOR``. ``host`` is the interface the data
     endpoints bind (default: the coordinator's host, or 127.0.0.1). ``endpoint_file``: worker 0
-    writes the coordinator's actual endpoint there once bound.
+    writes the coordinator's actual endpoint there once bound. ``secret`` (text or
+    :class:`~timely.comm.secret.JobSecret`; default: the worker's ``secret``, else the environment,
+    see :func:`timely.comm.secret.resolve`) makes every endpoint a CURVE server that admits only
+    clients holding it. ``max_message_bytes`` (default :data:`~spark_bridge.checks.DEFAULT_MAX_MESSAGE_BYTES`)
+    bounds one frame a client may send; a larger one disconnects the client.
     """
     server = server_of(worker)
     if server is not None:
         if coordinator is not None and coordinator not in (server.coordinator_endpoint, server.requested_endpoint):
             raise ValueError(f"spark_bridge: this worker already serves coordinator "
                              f"{server.coordinator_endpoint}, not {coordinator}")
+        if secret is not None and resolve(secret) != server.secret:
+            raise ValueError("spark_bridge: this worker already serves the bridge with another secret")
         return server
     coordinator = coordinator or os.environ.get("TIMELY_SPARK_COORDINATOR")
     if not coordinator:
         raise ValueError("spark_bridge needs a coordinator endpoint: pass coordinator='tcp://127.0.0.1:PORT' "
                          "(to source/sink or spark_bridge.serve) or set TIMELY_SPARK_COORDINATOR")
-    server = _SERVERS[worker] = BridgeServer(worker, coordinator, host, endpoint_file)
+    keys = resolve(secret) if secret is not None else getattr(worker, "secret", None) or resolve()
+    server = _SERVERS[worker] = BridgeServer(worker, coordinator, host, endpoint_file, keys,
+                                             max_message_bytes or checks.DEFAULT_MAX_MESSAGE_BYTES)
     return server
 
 

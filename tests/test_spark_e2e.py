@@ -8,12 +8,10 @@ this process and is shut down (and joined) by its context manager, also when a t
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,7 +21,7 @@ if not (os.environ.get("JAVA_HOME") or __import__("shutil").which("java")):
     pytest.skip("Spark needs Java 17+ (no java on PATH, no JAVA_HOME)", allow_module_level=True)
 pq = pytest.importorskip("pyarrow.parquet")
 
-from sparkjob import ThreadJob  # noqa: E402
+from sparkjob import LaunchedJob, ThreadJob  # noqa: E402
 
 import spark_bridge  # noqa: E402
 
@@ -118,6 +116,28 @@ def test_batch_round_trip_equals_spark_sql(spark):
         result = job.stop()
     assert [t for t, _ in result] == [0, 1]
     assert captured(result) == rows_of(df1) + rows_of(df2)
+
+
+def secret_agg_job(scope, ep):
+    """``agg_job`` on a bridge that admits only clients holding the secret ``spark sesame``."""
+    spark_bridge.serve(scope.worker, ep, secret="spark sesame")
+    return agg_job(scope, ep)
+
+
+@pytest.mark.timeout(240)
+def test_a_job_with_a_secret_is_written_and_read_only_with_it(spark, tmp_path):
+    df = spark.range(0, 5_000, numPartitions=2).selectExpr("id % 7 as key", "id as value")
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("spark sesame\n")
+    with ThreadJob(secret_agg_job, secret="spark sesame") as job:
+        with pytest.raises(Exception, match=r"did not answer.*option 'secret'"):
+            write(df, job.endpoint, timeout=0.5)
+        with pytest.raises(Exception, match=r"did not answer"):
+            read_agg(spark, job.endpoint, timeout=0.5, secret="not it")
+        write(df, job.endpoint, secret="spark sesame", keyColumn="key")   # the executors get the keys too
+        assert read_agg(spark, job.endpoint, endingEpoch=1, secretFile=secret_file) == spark_agg(df, 0)
+        result = job.stop()
+    assert captured(result) == rows_of(df)
 
 
 @pytest.mark.timeout(240)
@@ -337,59 +357,7 @@ def test_cluster_stopping_mid_write_fails_the_job_and_applies_nothing(spark):
     assert result == []  # no epoch, no row
 
 
-# -- a two-worker cluster (python -m timely.launch -w 2) ---------------------------------------------------
-class LaunchedJob:
-    """``python -m timely.launch -w N examples/spark_pipeline.py`` in its own process group; shut down
-    through the bridge and reaped on exit (killed if it does not stop)."""
-
-    def __init__(self, tmp_path: Path, workers: int = 2, extra=()) -> None:
-        self.endpoint = f"ipc://{tmp_path}/coordinator"
-        self.capture = tmp_path / "capture"
-        self.capture.mkdir()
-        self.log = tmp_path / "cluster.log"
-        self.cmd = [sys.executable, "-m", "timely.launch", "-w", str(workers),
-                    os.path.join(ROOT, "examples", "spark_pipeline.py"), self.endpoint,
-                    "--capture", str(self.capture), *extra]
-        self.proc: Any = None  # the launcher's Popen, once entered
-
-    def __enter__(self) -> LaunchedJob:
-        import subprocess
-
-        self._out = open(self.log, "w")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                info = spark_bridge.status(self.endpoint, timeout=1)
-                if all(info["endpoints"]):
-                    return self
-            except spark_bridge.BridgeError:
-                pass
-            assert self.proc.poll() is None, f"cluster exited early:\n{self.log.read_text()}"
-            assert time.monotonic() < deadline, "cluster did not start"
-            time.sleep(0.1)
-
-    def stop(self) -> list[dict]:
-        import json
-
-        spark_bridge.shutdown(self.endpoint, timeout=10)
-        rc = self.proc.wait(60)
-        assert rc == 0, f"cluster exited with {rc}:\n{self.log.read_text()}"
-        return [json.loads(p.read_text()) for p in sorted(self.capture.glob("worker-*.json"))]
-
-    def __exit__(self, *exc) -> None:
-        import signal
-        import subprocess
-
-        if self.proc.poll() is None:
-            try:
-                spark_bridge.shutdown(self.endpoint, timeout=2)
-                self.proc.wait(20)
-            except (spark_bridge.BridgeError, subprocess.TimeoutExpired):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._out.close()
+# -- a two-worker cluster (python -m timely.launch -w 2): sparkjob.LaunchedJob ----------------------------
 
 
 def _read_counts(spark, ep, epochs):
