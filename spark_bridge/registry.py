@@ -15,10 +15,7 @@ Entry = tuple[str, str]  # (data endpoint, the worker's bridge generation)
 def job_identity(worker: Any) -> str | None:
     """What every worker of one run of a job shares and another run does not (a digest of the job
     token), or ``None`` for a worker without one (a single in-process worker registers with nobody)."""
-    ident = getattr(worker, "job_id", None)
-    if ident is None:
-        # Until Worker exposes the run's identity: the job token every ZmqAllocator of the run holds.
-        ident = getattr(getattr(getattr(worker, "allocator", None), "_links", None), "_token", None)
+    ident = getattr(worker, "job_id", None)  # timely.Worker.job_id (a stand-in worker may lack it)
     return None if ident is None else hashlib.sha256(b"spark-bridge/" + str(ident).encode()).hexdigest()[:32]
 
 

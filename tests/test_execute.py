@@ -280,3 +280,13 @@ def test_the_launcher_resolves_the_secret_once_and_refuses_a_bad_file(tmp_path, 
     run = _launch("-w", "2", "--secret-file", str(good), str(job), "s3cret")
     assert run.returncode == 0, run.stderr
     assert sorted(run.stdout.splitlines()) == ["SECRET 0 True False", "SECRET 1 True False"]
+
+
+@pytest.mark.timeout(60)
+def test_the_workers_of_one_run_share_a_job_id_that_no_other_run_has():
+    first = timely.execute(lambda worker: worker.job_id, workers=2)
+    second = timely.execute(lambda worker: worker.job_id, workers=2)
+    alone = timely.execute(lambda worker: worker.job_id, workers=1)
+    assert first[0] == first[1] and second[0] == second[1]
+    assert len({first[0], second[0], alone[0]}) == 3
+    assert all(isinstance(j, str) and len(j) >= 16 for j in first + second + alone)

@@ -183,6 +183,8 @@ def test_a_timeout_that_is_not_positive_is_a_usage_error(tmp_path, no_leftovers)
     job = _job(tmp_path, "job.py", EXCHANGE_JOB)
     run = _launch(no_leftovers, "-w", "2", "--timeout", "0", job, "10")
     assert run.returncode == 2 and "--timeout must be a positive number of seconds, not 0" in run.stderr
+    run = _launch(no_leftovers, "-w", "2", "--heartbeat-timeout", "-1", job, "10")
+    assert run.returncode == 2 and "--heartbeat-timeout must be a positive number of seconds, not -1" in run.stderr
 
 
 @pytest.mark.timeout(60)

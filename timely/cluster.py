@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import functools
 import gc
+import hashlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -440,7 +441,8 @@ def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: li
     gc.collect()
     gc.freeze()
     try:
-        report(Worker(alloc, list(args), fuzz, watchdog, watchdog_warn, secret=secret).run(main))
+        job_id = hashlib.sha256(b"timely-job/" + token.encode()).hexdigest()[:32]  # the token stays secret
+        report(Worker(alloc, list(args), fuzz, watchdog, watchdog_warn, secret=secret, job_id=job_id).run(main))
     except BaseException as exc:
         reason = "stopped" if isinstance(exc, _Stopped) else f"{type(exc).__name__}: {exc}"
         alloc.close(abort=reason)

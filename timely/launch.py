@@ -140,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
                         "named by TIMELY_SECRET_FILE; none: links are open to whoever can reach them)")
     p.add_argument("--startup-timeout", type=float, default=30.0, metavar="S",
                    help="seconds to wait for all workers to connect (default 30)")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
+                   help="a peer host silent for S seconds is lost (default 30: generous, as a worker busy in "
+                        "one long step answers no heartbeat either; a crashed process is noticed at once)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="stop the job after S seconds")
     p.add_argument("--watchdog", type=float, default=None, metavar="S",
                    help="end the job when one operator invocation lasts longer than S seconds, naming it "
@@ -187,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"--timeout must be a positive number of seconds, not {opts.timeout:g}")
         if opts.watchdog is not None and not opts.watchdog > 0:
             raise _UsageError(f"--watchdog must be a positive number of seconds, not {opts.watchdog:g}")
+        if not opts.heartbeat_timeout > 0:
+            raise _UsageError(f"--heartbeat-timeout must be a positive number of seconds, not {opts.heartbeat_timeout:g}")
         if not opts.stopped_grace > 0:
             raise _UsageError(f"--stopped-grace must be a positive number of seconds, not {opts.stopped_grace:g}")
         if opts.watchdog_warn and opts.watchdog is None:
@@ -239,7 +244,8 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
     n, peers = opts.workers, len(endpoints)
     first = opts.host_index * n
     job, job_args = opts.job, list(opts.args)
-    alloc_options = {"startup_timeout": opts.startup_timeout}
+    alloc_options = {"startup_timeout": opts.startup_timeout, "heartbeat_timeout": opts.heartbeat_timeout,
+                     "heartbeat_ivl": min(1.0, opts.heartbeat_timeout / 4)}
 
     def entry(index: int, report: Callable[[Any], None]) -> None:
         sys.argv = [job, *job_args]

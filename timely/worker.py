@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import time as _time
+import uuid
 from collections.abc import Callable, Iterator, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +30,10 @@ class Worker:
 
     def __init__(self, allocator: Allocator, args: Sequence[str] = (), fuzz: int | None = None,
                  watchdog: float | None = None, watchdog_warn: bool = False, *,
-                 secret: JobSecret | None = None) -> None:
+                 secret: JobSecret | None = None, job_id: str | None = None) -> None:
         self.allocator = allocator
         self._secret = secret
+        self._job_id = job_id or uuid.uuid4().hex
         self.index: int = allocator.index
         self.peers: int = allocator.peers
         self.args: list[str] = list(args)
@@ -46,6 +48,13 @@ class Worker:
         if watchdog is not None:
             self.watchdog = Watchdog(watchdog, self.index, watchdog_warn)
             self.watchdog.start()
+
+    @property
+    def job_id(self) -> str:
+        """What every worker of this run of the job shares and no other run does (a digest of the
+        job token; a fresh random id for a single in-process worker). Servers of the job use it to
+        refuse peers of another job. Read-only."""
+        return self._job_id
 
     @property
     def secret(self) -> JobSecret | None:
