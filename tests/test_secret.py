@@ -83,3 +83,10 @@ def test_a_guarded_server_hears_only_clients_that_know_the_secret():
         guard.stop()
         guard.stop()  # idempotent
         ctx.term()
+
+
+def test_a_secret_error_is_a_timely_error():
+    from timely.errors import TimelyError
+
+    with pytest.raises(TimelyError):
+        JobSecret.from_text("")

@@ -26,6 +26,8 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
+from ..errors import TimelyError
+
 #: Environment variable holding the job secret (the text itself).
 ENV = "TIMELY_SECRET"
 #: Environment variable naming a file whose contents (stripped) are the job secret.
@@ -34,7 +36,7 @@ ENV_FILE = "TIMELY_SECRET_FILE"
 DOMAIN = "timely"
 
 
-class SecretError(ValueError):
+class SecretError(TimelyError, ValueError):
     """A job secret that cannot be used (empty, unreadable file, no CURVE support in libzmq)."""
 
 
