@@ -52,11 +52,14 @@ class ControlInput:
 
     def move(self, bin: int, worker: int) -> None:
         """From the current time on, ``bin`` lives on ``worker`` (integers: ``int`` or numpy's)."""
-        self.moves({bin: worker})
+        self._moves({bin: worker}, "move")
 
     def moves(self, assignment: Mapping[int, int]) -> None:
         """Several moves at the current time (``{bin: worker}``), validated together first."""
-        with self._naming("moves"):
+        self._moves(assignment, "moves")
+
+    def _moves(self, assignment: Mapping[int, int], method: str) -> None:
+        with self._naming(method):
             if not isinstance(assignment, Mapping):
                 raise TableError(f"expected a {{bin: worker}} mapping, not {type(assignment).__name__} "
                                  f"{assignment!r:.60}")

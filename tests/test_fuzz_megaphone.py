@@ -97,9 +97,11 @@ def control_job(worker):
 @pytest.mark.timeout(60)
 def test_control_input_refuses_updates_whose_effect_depends_on_their_order():
     refused, sent = run(control_job, 2)[0]
-    assert refused == ["bin 0 was already moved to worker 1 at time 0",
-                       "a routing table at time 0 must be the first and only one of its time",
-                       "a routing table at time 1 must be the first and only one of its time"]
+    assert refused == ["control input 'Control', move(): bin 0 was already moved to worker 1 at time 0",
+                       "control input 'Control', install(): a routing table at time 0 must be the first and only "
+                       "one of its time",
+                       "control input 'Control', install(): a routing table at time 1 must be the first and only "
+                       "one of its time"]
     table = ("table", (1, 1, 1, 1))
     assert [(t, sorted(map(tuple, batch), key=repr)) for t, batch in sent] == [
         (0, [("move", 0, 1), ("move", 0, 1), ("move", 1, 0)]),

@@ -144,15 +144,15 @@ def test_control_input_validates_before_sending():
         "k is the exponent of 2^k bins, an integer from 0 to 16, not 17",
         "k is the exponent of 2^k bins, an integer from 0 to 16, not -1",
         "k is the exponent of 2^k bins, an integer from 0 to 16, not True",
-        "control input 'Control', moves(): move of bin 4 to worker 0: bin 4 does not exist (there are 4 bins)",
-        "control input 'Control', moves(): move of bin 0 to worker 1: worker 1 does not exist (there are 1 workers)",
+        "control input 'Control', move(): move of bin 4 to worker 0: bin 4 does not exist (there are 4 bins)",
+        "control input 'Control', move(): move of bin 0 to worker 1: worker 1 does not exist (there are 1 workers)",
         "control input 'Control', moves(): move of bin 1 to worker 5: worker 5 does not exist (there are 1 workers)",
         "control input 'Control', install(): routing table has 3 entries, expected one per bin (4)",
         "control input 'Control', install(): routing table, bin 3: worker '0' is not an integer",
         "control input 'Control', install(): routing table must be a sequence of 4 workers, one per bin, "
         "not NoneType None",
         "control input 'Control', moves(): expected a {bin: worker} mapping, not list [(0, 0)]",
-        "control input 'Control', moves(): move of bin np.True_ to worker 0: bin np.True_ is not an integer",
+        "control input 'Control', move(): move of bin np.True_ to worker 0: bin np.True_ is not an integer",
         "control input 'Control', install(): routing table, bin 2: worker False is not an integer",
     ]
     # Nothing of a rejected call entered the dataflow (not even the valid move of {0: 0, 1: 5}), and
