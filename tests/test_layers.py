@@ -71,8 +71,7 @@ def test_clients_import_only_the_public_engine(package):
 LAYERS = {
     "timely.progress": set(),
     "timely.comm": set(),
-    # comm.errors: a channel splits a batch the allocator refuses as too large (MessageTooLarge)
-    "timely.dataflow": {"timely.progress", "timely.routing", "timely.comm.errors"},
+    "timely.dataflow": {"timely.progress", "timely.routing"},
 }
 # Within timely.dataflow: a module imports only modules of a lower rank.
 DATAFLOW_RANK = {

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import timely
-from timely.comm.allocator import LocalPuller
+from timely.comm.allocator import LocalPuller, LoopbackPusher
 from timely.progress import Builder, Source, less_equal, minimum
 
 
@@ -95,6 +95,10 @@ class SimNetwork:
 
 
 class _SimPusher:
+    max_bytes = None
+    encode_items = staticmethod(LoopbackPusher.encode_items)
+    push_items = LoopbackPusher.push_items
+
     def __init__(self, alloc: SimAllocator, target: int, channel: int) -> None:
         self.alloc, self.target, self.channel = alloc, target, channel
 

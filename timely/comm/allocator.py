@@ -24,10 +24,27 @@ __all__ = ["Allocator", "LocalPuller", "LoopbackPusher", "Puller", "Pusher", "Th
 
 
 class Pusher(Protocol):
-    """Sends messages to one target worker on one channel."""
+    """Sends messages to one target worker on one channel.
+
+    Besides whole messages, a pusher sends messages of the shape ``(head, items)`` gathered from
+    pieces: ``encode_items(items)`` turns a piece into the pusher's form (bytes for a remote one,
+    the list itself for a loopback), and ``push_items(head, bodies, count)`` sends the message made
+    of ``head`` and the ``count`` items of those pieces, received as ``push((head, items))`` is.
+    ``max_bytes`` bounds one message's encoding (``None``: no bound); ``len`` of a body is its size.
+    """
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The largest encoded message this pusher sends (``None``: no bound)."""
 
     def push(self, message: Any) -> None:
         """Queue ``message`` for delivery; it is sent at the latest by the next ``release``."""
+
+    def encode_items(self, items: list) -> Any:
+        """One piece of a gathered message."""
+
+    def push_items(self, head: Any, bodies: list, count: int) -> None:
+        """Queue the message ``(head, items)`` gathered from ``bodies`` (``count`` items in all)."""
 
 
 class Puller(Protocol):

@@ -77,6 +77,32 @@ def encode(obj: Any) -> bytes:
         raise
 
 
+def encode_items(items: list) -> memoryview:
+    """The msgpack encodings of ``items``, one after another: an array's body without its header.
+
+    Encoding a batch's parts as soon as they are cut (while their records are still in the CPU's
+    cache) and joining the bodies later with :func:`encode_gathered` costs a third of encoding the
+    gathered records at the end: the records of one destination lie scattered in memory."""
+    packed = encode(items)
+    n = len(items)
+    return memoryview(packed)[1 if n < 0x10 else 3 if n < 0x10000 else 5:]
+
+
+_PAIR = b"\x92"  # a msgpack array of two elements
+
+
+def encode_gathered(head: Any, bodies: list, count: int) -> bytes:
+    """``encode((head, items))``, where ``items`` are the ``count`` items whose encodings are
+    ``bodies`` (each from :func:`encode_items`): the receiver decodes ``(head, tuple(items))``."""
+    if count < 0x10:
+        array = bytes((0x90 | count,))
+    elif count < 0x10000:
+        array = b"\xdc" + count.to_bytes(2, "big")
+    else:
+        array = b"\xdd" + count.to_bytes(4, "big")
+    return b"".join([_PAIR, encode(head), array, *bodies])
+
+
 def decode(buf: Any) -> Any:
     """Deserialise a msgpack payload (``bytes`` or a buffer); arrays come back as tuples."""
     return msgpack.unpackb(buf, use_list=False, raw=False, strict_map_key=False)

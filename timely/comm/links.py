@@ -117,6 +117,12 @@ class Links:
         except Exception as exc:
             raise TypeError(f"cannot send a message to worker {peer.index} on channel {channel}: "
                             f"{exc} (messages must be msgpack-serialisable)") from exc
+        self.send_payload(peer, channel, payload)
+
+    def send_payload(self, peer: Peer, channel: int, payload: bytes) -> None:
+        """Send an encoded message to ``peer`` on ``channel`` (or queue it in its backlog)."""
+        if peer.goodbye:
+            return
         limit = self._tuning.max_message_bytes
         if len(payload) > limit:  # refused whole, before it takes a sequence number
             raise MessageTooLarge(len(payload), limit, (

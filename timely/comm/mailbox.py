@@ -48,10 +48,21 @@ class LoopbackPusher:
         self._puller = puller
         self._events = events
 
+    max_bytes: int | None = None  # nothing is encoded
+
     def push(self, message: Any) -> None:
         """Queue ``message`` (by reference: it must not be mutated afterwards)."""
         self._puller.queue.append(message)
         self._events.add(self._puller.channel)
+
+    @staticmethod
+    def encode_items(items: list) -> list:
+        """A piece of a gathered message: the list itself, by reference."""
+        return items
+
+    def push_items(self, head: Any, bodies: list, count: int) -> None:
+        """Queue ``(head, items)``, the items of the pieces ``bodies`` in order."""
+        self.push((head, [item for body in bodies for item in body]))
 
 
 class Mailbox:

@@ -59,7 +59,7 @@ from typing import Any
 
 from .allocator import Puller, Pusher
 from .errors import AddressInUse, ChannelMismatch, CommError, HandshakeError, MessageTooLarge, PeerLost
-from .framing import MAX_CHANNEL, MAX_SOURCE
+from .framing import MAX_CHANNEL, MAX_SOURCE, encode_gathered, encode_items
 from .links import Links
 from .mailbox import Mailbox
 from .peer import Peer, Tuning
@@ -76,13 +76,21 @@ HWM_FLOOR = 16
 class _RemotePusher:
     """Pushes to another worker over its connection (serialised at push time)."""
 
-    __slots__ = ("push",)
+    __slots__ = ("push", "_send_payload", "max_bytes")
 
-    def __init__(self, links: Links, peer: Peer, channel: int) -> None:
+    encode_items = staticmethod(encode_items)
+
+    def __init__(self, links: Links, peer: Peer, channel: int, max_bytes: int) -> None:
         # push(message) serialises and sends (or queues in the peer's backlog), through a partial:
         # on the hot path, without a Python frame of its own. It raises MessageTooLarge, having
         # sent nothing, when the encoding exceeds max_message_bytes.
         self.push: Callable[[Any], None] = functools.partial(links.send_data, peer, channel)
+        self._send_payload: Callable[[bytes], None] = functools.partial(links.send_payload, peer, channel)
+        self.max_bytes = max_bytes
+
+    def push_items(self, head: Any, bodies: list, count: int) -> None:
+        """Send ``(head, items)``, the ``count`` items encoded in ``bodies`` by :meth:`encode_items`."""
+        self._send_payload(encode_gathered(head, bodies, count))
 
 
 class ZmqAllocator:
@@ -138,6 +146,7 @@ class ZmqAllocator:
             hwm = max(HWM_FLOOR, inflight_bytes // (2 * max_message_bytes))
         self.index = index
         self.peers = peers
+        self._max_message_bytes = max_message_bytes
         self._mailbox = Mailbox(index)
         # None for a single worker: every push is then a loopback, and nothing is opened.
         self._links: Links | None = None
@@ -162,7 +171,7 @@ class ZmqAllocator:
             raise
         pushers: list[Pusher] = [
             self._mailbox.loopback(puller) if j == self.index or links is None
-            else _RemotePusher(links, links.peer(j), channel)
+            else _RemotePusher(links, links.peer(j), channel, self._max_message_bytes)
             for j in range(self.peers)
         ]
         return pushers, puller

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import time as _time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..progress.change_batch import ChangeBatch
 
@@ -93,9 +93,10 @@ class Activator:
 
 class Context:
     """One dataflow's shared state for its operators: worker ``index`` of ``peers``, the progress
-    batch of the current step, the activations, and the schedule fuzzer (``None`` unless fuzzing)."""
+    batch of the current step, the activations, the schedule fuzzer (``None`` unless fuzzing), and
+    the channels holding buffered records (``pending``, flushed by the dataflow at every step)."""
 
-    __slots__ = ("index", "peers", "progress", "activations", "fuzzer")
+    __slots__ = ("index", "peers", "progress", "activations", "fuzzer", "pending")
 
     def __init__(self, index: int, peers: int, fuzzer: Fuzzer | None = None) -> None:
         self.index = index
@@ -105,3 +106,6 @@ class Context:
         # whole; it is never split between progress messages.
         self.progress = ChangeBatch()
         self.activations = Activations()
+        # Channels with records buffered for other workers. Invariant: the dataflow flushes them in
+        # the step that buffered them, so buffering never holds a counted record back for longer.
+        self.pending: list[Any] = []

@@ -139,6 +139,9 @@ class Dataflow:
         activations.fire_timers()
         for handle in self._inputs:
             handle.flush()
+        pending = self.ctx.pending
+        if pending:
+            self._flush_channels()
         if self._receive_progress():
             did = True
             for loc, _t, _d in self.tracker.propagate_all():  # type: ignore[union-attr]
@@ -166,6 +169,8 @@ class Dataflow:
                     operators[i].schedule()
                 finally:
                     watchdog.leave()
+        if pending:
+            self._flush_channels()
         if not self.progress.is_empty():
             did = True
             updates = [(loc.node, loc.port, loc.source, t, d) for (loc, t), d in self.progress.drain()]
@@ -174,6 +179,12 @@ class Dataflow:
             for pusher in self._progress_pushers:
                 pusher.push(message)
         return did
+
+    def _flush_channels(self) -> None:
+        """Send the records channels buffered (from inputs fed since the last step, or operators)."""
+        pending = self.ctx.pending
+        while pending:
+            pending.pop().flush()
 
     def _receive_progress(self) -> bool:
         """Apply every progress message received (our own included); True if there was any."""
@@ -209,7 +220,7 @@ class Dataflow:
 
     def busy(self) -> bool:
         """True when operators are waiting to run or progress is waiting to be sent."""
-        return (bool(self.ctx.activations.active) or not self.progress.is_empty()
+        return (bool(self.ctx.activations.active) or not self.progress.is_empty() or bool(self.ctx.pending)
                 or self.fuzzer is not None and self.fuzzer.holding())
 
     def complete(self) -> bool:

@@ -1,0 +1,177 @@
+"""Channels gather the records for each other worker into large messages (issue 14), split what
+exceeds the allocator's message limit, and name the operator and record when one cannot be sent.
+
+The gathered encoding is checked against msgpack's own encoding of the same message; a channel is
+driven directly with recording pushers (every message it sends is seen); and whole jobs check that
+splitting and errors behave end to end.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from timely import routing
+from timely.cluster import WorkerError, execute_cluster
+from timely.comm.framing import decode, encode, encode_gathered, encode_items
+from timely.dataflow.channels import BUFFER_RECORDS, BroadcastChannel, DistributeChannel, ExchangeChannel
+
+records = st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=5), st.binary(max_size=5),
+                    st.tuples(st.integers(0, 10**6), st.text(max_size=3)))
+
+
+@given(head=st.one_of(st.integers(0, 2**40), st.tuples(st.integers(0, 9), st.integers(0, 9))),
+       items=st.lists(records, max_size=70), cuts=st.lists(st.integers(0, 70), max_size=6))
+def test_a_gathered_message_decodes_as_the_whole_message_would(head, items, cuts):
+    bounds = sorted({0, len(items), *(c for c in cuts if c <= len(items))})
+    pieces = [items[a:b] for a, b in zip(bounds, bounds[1:])]
+    gathered = encode_gathered(head, [encode_items(p) for p in pieces], len(items))
+    assert gathered == encode((head, items))
+    assert decode(gathered) == decode(encode((head, items)))
+
+
+def test_array_headers_of_every_size_class():
+    for n in (0, 15, 16, 65535, 65536):
+        items = [1] * n
+        assert encode_gathered(7, [encode_items(items[: n // 2]), encode_items(items[n // 2:])], n) == encode((7, items))
+
+
+class RecordingPusher:
+    """A remote pusher that encodes as the ZeroMQ one does and records every message it sends."""
+
+    def __init__(self, max_bytes: int | None) -> None:
+        self.max_bytes = max_bytes
+        self.messages: list[tuple[object, tuple, int]] = []  # (time, records, encoded bytes)
+
+    encode_items = staticmethod(encode_items)
+
+    def push_items(self, head, bodies, count):
+        payload = encode_gathered(head, bodies, count)
+        time, items = decode(payload)
+        assert len(items) == count
+        self.messages.append((time, items, len(payload)))
+
+    def push(self, message):  # pragma: no cover - channels only gather
+        raise AssertionError("a channel sends records only through push_items")
+
+
+def make_channel(kind, peers: int, index: int = 0, max_bytes: int | None = 8 << 20, **kw):
+    """A channel of ``kind`` on worker ``index`` of ``peers``, with recording pushers and a local target."""
+    pushers = [RecordingPusher(max_bytes) for _ in range(peers)]
+    delivered: list[tuple[object, list]] = []
+    target = SimpleNamespace(op=SimpleNamespace(name="Sink#7"), deliver=lambda t, b: delivered.append((t, list(b))))
+    df = SimpleNamespace(index=index, peers=peers, ctx=SimpleNamespace(pending=[]),
+                         allocate_channel=lambda target: (pushers, None))
+    return kind(df, target, **kw), pushers, delivered, df.ctx.pending
+
+
+def flush(pending):
+    while pending:
+        pending.pop().flush()
+
+
+def test_an_exchange_among_16_workers_sends_messages_of_thousands_of_records():
+    peers = 16
+    channel, pushers, delivered, pending = make_channel(ExchangeChannel, peers, key=0)
+    rnd = random.Random(3)
+    sent = []
+    for _ in range(40):  # 40 batches of 4096: each cut into 16 parts of ~256
+        batch = [(rnd.randrange(10**6), i) for i in range(4096)]
+        sent += batch
+        assert channel.push(5, batch) == len(batch)
+    assert pending == [channel]
+    flush(pending)
+    got: Counter = Counter()
+    for t, recs in delivered:
+        assert t == 5
+        got.update(recs)
+    for w, pusher in enumerate(pushers[1:], start=1):
+        sizes = [len(items) for _, items, _ in pusher.messages]
+        assert sizes and all(s >= BUFFER_RECORDS for s in sizes[:-1]), sizes  # only the flushed tail is smaller
+        for t, items, _ in pusher.messages:
+            assert t == 5
+            assert all(routing.hash64(r[0]) % peers == w for r in items)
+            got.update(items)
+    assert got == Counter(sent)
+    assert sum(len(p.messages) for p in pushers) < 40 * 15 / 10  # vs one message per part before
+
+
+def test_records_of_another_time_send_what_was_gathered_first():
+    channel, pushers, _, pending = make_channel(ExchangeChannel, 2, key=None)
+    remote = [r for r in range(200) if routing.hash64(r) % 2 == 1]
+    channel.push(1, remote[:10])
+    channel.push(2, remote[10:20])
+    assert [(t, list(items)) for t, items, _ in pushers[1].messages] == [(1, remote[:10])]
+    flush(pending)
+    assert [(t, list(items)) for t, items, _ in pushers[1].messages] == [(1, remote[:10]), (2, remote[10:20])]
+
+
+def test_a_batch_larger_than_a_message_is_sent_in_pieces_under_the_limit():
+    limit = 16 << 10
+    channel, pushers, delivered, pending = make_channel(BroadcastChannel, 3, max_bytes=limit)
+    batch = [("x" * 100, i) for i in range(3000)]  # ~320 KB encoded
+    assert channel.push(0, batch) == 3 * len(batch)
+    flush(pending)
+    assert delivered == [(0, batch)]
+    for pusher in pushers[1:]:
+        assert all(size <= limit for _, _, size in pusher.messages)
+        assert [r for _, items, _ in pusher.messages for r in items] == batch  # in order, each once
+
+
+def test_a_record_larger_than_a_message_is_an_error_naming_operator_and_record():
+    channel, _, _, _ = make_channel(DistributeChannel, 2, max_bytes=8 << 10,
+                                    partitioner=lambda t, b, peers: [[], list(b)])
+    with pytest.raises(ValueError, match=r"operator 'Sink#7': record \('huge', 'yyyy.*at time 3 is .* bytes encoded, "
+                                         r"more than one message may carry \(max_message_bytes\)"):
+        channel.push(3, [("huge", "y" * 20_000)])
+
+
+def test_an_unserialisable_record_is_an_error_naming_operator_and_record():
+    channel, _, _, _ = make_channel(BroadcastChannel, 2)
+    with pytest.raises(TypeError, match=r"operator 'Sink#7': record \(1, \{2\}\) at time 0 cannot be sent to another "
+                                        r"worker: records must be msgpack-serialisable"):
+        channel.push(0, [(1, 2), (1, {2})])
+
+
+# -- end to end -------------------------------------------------------------------------------------
+def _exchange_job(worker):
+    n = int(worker.args[0])
+    got: list = []
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        inp.stream.exchange(1).inspect_batch(lambda t, b: got.extend((t, r) for r in b)).probe()
+    for t in range(2):
+        inp.send_batch([("x" * 200, i, worker.index) for i in range(n)])  # ~210 B each, over many messages
+        inp.advance_to(t + 1)
+    inp.close()
+    worker.finish()
+    return got
+
+
+@pytest.mark.timeout(60)
+def test_a_job_with_a_small_message_limit_moves_every_record_exactly_once():
+    results = execute_cluster(_exchange_job, 2, ["3000"], max_message_bytes=32 << 10)
+    got = Counter(x for res in results for x in res)
+    assert got == Counter((t, ("x" * 200, i, w)) for t in range(2) for i in range(3000) for w in range(2))
+    for w, res in enumerate(results):
+        assert all(routing.hash64(r[1]) % 2 == w for _, r in res)
+
+
+def _huge_record_job(worker):
+    other = next(k for k in range(100) if routing.hash64(k) % 2 != worker.index)  # a key of the other worker
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        inp.stream.exchange(0).probe()
+    inp.send((other, "z" * 100_000))
+    inp.close()
+    worker.finish()
+
+
+@pytest.mark.timeout(60)
+def test_a_job_refuses_a_record_over_the_message_limit_by_name():
+    with pytest.raises(WorkerError, match="more than one message may carry"):
+        execute_cluster(_huge_record_job, 2, max_message_bytes=32 << 10)
