@@ -28,8 +28,9 @@ from timely import collector
 TRANSPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transport.py")
 
 
-def keyed_count(worker: timely.Worker) -> tuple[float, float, int]:
-    """One worker's part: returns (start, end, distinct keys counted here in the last epoch)."""
+def keyed_count(worker: timely.Worker) -> tuple[float, float, int, float]:
+    """One worker's part: returns (start, end, distinct keys counted here in the last epoch, CPU
+    seconds (user + system) this worker used between start and end)."""
     records, keys, batch, epoch_batches = (int(a) for a in worker.args[:4])
     mine = records // worker.peers
     rnd = random.Random(worker.index)
@@ -42,7 +43,7 @@ def keyed_count(worker: timely.Worker) -> tuple[float, float, int]:
         inp = scope.new_input()
         probe = (inp.stream.exchange(0).count_by_key(0)
                  .inspect_batch(lambda t, b: counted.__setitem__(0, counted[0] + len(b))).probe())
-    start = time.time()
+    start, cpu = time.time(), _cpu()
     for i, b in enumerate(batches):
         inp.send_batch(b)
         if i % epoch_batches == epoch_batches - 1:
@@ -51,7 +52,12 @@ def keyed_count(worker: timely.Worker) -> tuple[float, float, int]:
             worker.step_while(lambda: probe.less_than(inp.time - 1))
     inp.close()
     worker.step_while(lambda: not probe.done())
-    return start, time.time(), counted[0]
+    return start, time.time(), counted[0], _cpu() - cpu
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def run_engine(workers: int, records: int, keys: int, batch: int, epoch_batches: int, gc: str) -> float:

@@ -1,0 +1,158 @@
+"""Weak scaling: a fixed amount of work per worker, over 1, 2, 4, 8 and 16 workers.
+
+Workloads:
+
+- ``count``: the keyed count of ``bench/exchange.py`` (``exchange(0).count_by_key(0)``), a fixed
+  number of records per worker, as fast as the workers go (closed loop);
+- ``q1``, ``q3``, ``q5`` (native) and ``q3-flex`` (Megaphone): NEXMark at a fixed open-loop rate
+  per worker (``bench/nexmark_bench.py``'s driver).
+
+For each run it prints records/s in total and per worker, **records per CPU-second** (user +
+system time of all worker processes over the measured phase: the figure that shows scaling on a
+machine with fewer cores than workers, as it must not fall as workers are added), the open-loop
+runs' p50 and p99 latency, and the core count. Every figure is the median of ``--runs`` runs;
+every worker is a fresh interpreter (``start="spawn"``).
+
+With more workers than cores, the same instructions cost more CPU time (the processes evict each
+other's caches and are switched in and out). The *control* column measures that alone: the CPU
+time of a fixed engine-free job (msgpack encoding and decoding of keyed records) run in as many
+processes at once as there are workers, relative to one process. A records-per-CPU-second figure
+that falls by the control's factor has lost nothing to the engine.
+
+    .venv/bin/python bench/scaling.py                               # everything, 1..16 workers
+    .venv/bin/python bench/scaling.py --workload count --workers 2 8 16 --runs 3
+    .venv/bin/python bench/scaling.py --workload q3-flex --rate 5000 --duration 10
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import random
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import timely
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from exchange import keyed_count  # bench/ is not a package
+
+WORKLOADS = ("count", "q1", "q3", "q5", "q3-flex")
+
+
+@dataclass
+class Figures:
+    """One run's figures (latencies are None for the closed-loop keyed count)."""
+
+    records: int
+    elapsed: float
+    cpu: float
+    p50: float | None = None
+    p99: float | None = None
+
+    @property
+    def rate(self) -> float:
+        """Records per second, all workers together."""
+        return self.records / self.elapsed
+
+    @property
+    def per_cpu_s(self) -> float:
+        """Records per CPU-second of all workers."""
+        return self.records / self.cpu
+
+
+def run_count(workers: int, per_worker: int, keys: int, batch: int, epoch_batches: int) -> Figures:
+    """The keyed count with ``per_worker`` records on each of ``workers`` workers."""
+    records = per_worker * workers
+    results = timely.execute(keyed_count, workers=workers, start="spawn", timeout=900,
+                             args=[str(records), str(keys), str(batch), str(epoch_batches), "freeze"])
+    start, end = min(r[0] for r in results), max(r[1] for r in results)
+    return Figures(records, end - start, sum(r[3] for r in results))
+
+
+def run_nexmark(workload: str, workers: int, rate: int, duration: float, k: int) -> Figures:
+    """A NEXMark query at ``rate`` events/s per worker for ``duration`` seconds."""
+    from nexmark.driver import Spec, run
+    from nexmark.report import summarise
+
+    query, _, flex = workload.partition("-")
+    spec = Spec(query=query, flex=bool(flex), rate=rate * workers, duration=duration, workers=workers, k=k,
+                progress=False)
+    s = summarise(workload, spec, run(spec, start="spawn", timeout=duration + 600))
+    return Figures(s.sent, s.elapsed, s.cpu, s.overall[0], s.overall[2])
+
+
+def _control_job(_: int) -> float:
+    import msgpack
+
+    rnd = random.Random(1)
+    data = [(rnd.randrange(10_000), 1) for _ in range(1_000_000)]  # as much as a worker holds
+    packer = msgpack.Packer(use_bin_type=True)
+    start = time.process_time()
+    for _ in range(2):
+        for i in range(0, len(data), 4096):
+            msgpack.unpackb(packer.pack(data[i:i + 4096]), use_list=False)
+    return time.process_time() - start
+
+
+def control(processes: int, alone: float | None = None) -> float:
+    """Median CPU seconds of the engine-free control job in each of ``processes`` processes run at
+    once, divided by ``alone`` (the same in one process; measured when ``None``)."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(processes) as pool:
+        cpu = statistics.median(pool.map(_control_job, range(processes), chunksize=1))
+    return cpu / (alone if alone is not None else control(1, 1.0))
+
+
+def _fmt_ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.1f} ms"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--records", type=int, default=1_000_000, help="keyed count: records per worker")
+    parser.add_argument("--keys", type=int, default=10_000, help="keyed count: distinct keys")
+    parser.add_argument("--batch", type=int, default=4096, help="keyed count: records per input batch")
+    parser.add_argument("--epoch-batches", type=int, default=64, help="keyed count: batches per epoch and worker")
+    parser.add_argument("--rate", type=int, default=5_000, help="NEXMark: events/s per worker")
+    parser.add_argument("--duration", type=float, default=10.0, help="NEXMark: seconds of input")
+    parser.add_argument("--k", type=int, default=12, help="NEXMark Megaphone: 2^k bins")
+    opts = parser.parse_args(argv)
+    print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
+    print(f"os.cpu_count() = {os.cpu_count()}; median of {opts.runs} runs; keyed count {opts.records:,} records "
+          f"per worker, {opts.keys:,} keys; NEXMark {opts.rate:,} events/s per worker for {opts.duration:g} s",
+          flush=True)
+    alone = control(1, 1.0)
+    factors = {w: control(w, alone) for w in opts.workers}
+    print(f"{'workload':<9} {'workers':>7} {'records/s':>12} {'per worker':>12} {'per CPU-s':>11} "
+          f"{'CPU-s':>7} {'p50':>9} {'p99':>9} {'control':>8}")
+    for workload in opts.workload:
+        base: float | None = None
+        for workers in opts.workers:
+            runs = []
+            for _ in range(opts.runs):
+                if workload == "count":
+                    runs.append(run_count(workers, opts.records, opts.keys, opts.batch, opts.epoch_batches))
+                else:
+                    runs.append(run_nexmark(workload, workers, opts.rate, opts.duration, opts.k))
+                time.sleep(0.5)  # let the previous run's processes go
+            rate = statistics.median(r.rate for r in runs)
+            per_cpu = statistics.median(r.per_cpu_s for r in runs)
+            cpu = statistics.median(r.cpu for r in runs)
+            p50 = statistics.median(r.p50 for r in runs) if runs[0].p50 is not None else None  # type: ignore[type-var]
+            p99 = statistics.median(r.p99 for r in runs) if runs[0].p99 is not None else None  # type: ignore[type-var]
+            if workers == 2 or base is None:
+                base = per_cpu if workers == 2 else base
+            share = f"  ({per_cpu / base:.0%} of 2 workers)" if base and workers > 2 else ""
+            print(f"{workload:<9} {workers:>7} {rate:>12,.0f} {rate / workers:>12,.0f} {per_cpu:>11,.0f} "
+                  f"{cpu:>7.1f} {_fmt_ms(p50):>9} {_fmt_ms(p99):>9} {factors[workers]:>7.2f}x{share}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
