@@ -50,12 +50,12 @@ class SimNetwork:
         self.queues[(src, dst)].append((channel, message))
 
     def _plant(self, src: int, dst: int, channel: int, message: Any) -> bool:
-        digest, sender, seq, updates = message
+        head, updates = message
         q = self.queues[(src, dst)]
         if self.fault == "split" and any(d < 0 for *_, d in updates) and any(d > 0 for *_, d in updates):
             # Decrements first, increments as a separate later message: the batch is split.
-            q.append((channel, (digest, sender, seq, [u for u in updates if u[-1] < 0])))
-            q.append(("hold", (None, (channel, (digest, sender, seq, [u for u in updates if u[-1] > 0])))))
+            q.append((channel, (head, [u for u in updates if u[-1] < 0])))
+            q.append(("hold", (None, (channel, (head, [u for u in updates if u[-1] > 0])))))
             self.fault_done = True
             return True
         if self.fault == "reorder":
@@ -86,8 +86,8 @@ class SimNetwork:
         if self.fault == "split" and channel in self.progress_channels:
             # A transport that splits batches renumbers them, so the sequence check cannot see the
             # split: only the safety checker can.
-            digest, sender, _, updates = message
-            message = (digest, sender, self.renumber[pair], updates)
+            (digest, sender, _), updates = message
+            message = ((digest, sender, self.renumber[pair]), updates)
             self.renumber[pair] += 1
         dst.arrive(channel, message)
         if q and q[0][0] == "hold" and q[0][1][0] is None:
@@ -213,8 +213,9 @@ def view_ahead_of_truth(df, oracle) -> list:
     return bad
 
 
-def simulate(seed: int, peers: int, epochs: int, loop: bool, fault: str | None = None) -> list[str]:
-    """Run one random interleaving; return the checker's findings (empty: all good)."""
+def simulate(seed: int, peers: int, epochs: int, loop: bool, fault: str | None = None, actions: int = 4000) -> list[str]:
+    """Run one random interleaving of at most ``actions`` actions; return the checker's findings
+    (empty: all good)."""
     rnd = random.Random(seed)
     net = SimNetwork(peers, rnd, fault)
     violations: list[str] = []
@@ -229,7 +230,7 @@ def simulate(seed: int, peers: int, epochs: int, loop: bool, fault: str | None =
 
     def check() -> None:
         nonlocal fed
-        for _digest, _sender, _seq, updates in net.oracle_feed[fed:]:
+        for _head, updates in net.oracle_feed[fed:]:
             oracle.update_batch(((timely.progress.Location(n, p, s), t), d) for n, p, s, t, d in updates)
         fed = len(net.oracle_feed)
         oracle.propagate_all()
@@ -243,15 +244,15 @@ def simulate(seed: int, peers: int, epochs: int, loop: bool, fault: str | None =
         except timely.dataflow.ProgressOrderError as e:
             violations.append(str(e))
 
-    for _ in range(4000):
+    for _ in range(actions):
         if all(closed) and not net.pending() and not any(df.busy() for _, _, df in built):
             # Quiet: give every worker a few steps to apply its own last messages.
             for _ in range(3):
                 for w in range(peers):
                     step(w)
             check()
-            if not net.pending():
-                break
+            if not net.pending() and not any(df.busy() for _, _, df in built):
+                break  # (a step may leave records or progress to be sent by the next one)
         action = rnd.random()
         w = rnd.randrange(peers)
         if action < 0.35 and net.pending():
@@ -286,6 +287,13 @@ def simulate(seed: int, peers: int, epochs: int, loop: bool, fault: str | None =
 @pytest.mark.timeout(300)
 def test_random_interleavings_are_safe_and_complete(seed, peers, epochs, loop):
     assert simulate(seed, peers, epochs, loop) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("peers, seeds", [(8, range(6)), (16, range(3))])
+def test_random_interleavings_on_many_workers_are_safe_and_complete(peers, seeds):
+    for seed in seeds:
+        assert simulate(seed, peers, 3, seed % 2 == 1, actions=1500 * peers) == [], (peers, seed)
 
 
 @pytest.mark.timeout(300)

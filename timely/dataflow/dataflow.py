@@ -23,6 +23,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .scope import Stream
 
 
+#: Steps records and progress may wait to be sent, however busy the worker.
+FLUSH_STEPS = 16
+
+
 class Dataflow:
     """One dataflow instance on one worker."""
 
@@ -42,6 +46,7 @@ class Dataflow:
         self._inputs: list[Any] = []  # InputHandles, flushed at each step
         self._unbuilt: set[int] = set()
         self._loops: list[Any] = []
+        self._quiet_steps = 0  # steps since records or progress began waiting to be sent
         self._sent = 0  # sequence number of our next progress message
         self._received = [0] * self.peers  # next sequence number expected from each worker
         # The progress channel is allocated first, so its id is the same on every worker.
@@ -139,9 +144,6 @@ class Dataflow:
         activations.fire_timers()
         for handle in self._inputs:
             handle.flush()
-        pending = self.ctx.pending
-        if pending:
-            self._flush_channels()
         if self._receive_progress():
             did = True
             for loc, _t, _d in self.tracker.propagate_all():  # type: ignore[union-attr]
@@ -159,8 +161,9 @@ class Dataflow:
         if self.fuzzer is not None:
             self.fuzzer.step(activations.activate)
         watchdog = self.worker.watchdog
+        ran = False
         for i in activations.run_order():
-            did = True
+            ran = True
             if watchdog is None:
                 operators[i].schedule()
             else:
@@ -169,19 +172,41 @@ class Dataflow:
                     operators[i].schedule()
                 finally:
                     watchdog.leave()
-        if pending:
-            self._flush_channels()
-        if not self.progress.is_empty():
-            did = True
-            updates = [(loc.node, loc.port, loc.source, t, d) for (loc, t), d in self.progress.drain()]
-            message = (self.digest, self.index, self._sent, updates)
-            self._sent += 1
-            for pusher in self._progress_pushers:
-                pusher.push(message)
+        did = did or ran
+        # A busy worker gathers records (in its channels) and progress (in ctx.progress) across
+        # steps, and sends both once a step runs no operator (the worker would otherwise go idle:
+        # it never parks with anything unsent, see busy()) or after FLUSH_STEPS steps: messages
+        # stay large, and their number per step small, even where each step changes little
+        # (sparse streams, many peers). Invariant (ARCHITECTURE 2.2): the progress of several
+        # steps is still sent as one whole batch; it is only later, as if the network were slower.
+        if self.ctx.pending or not self.progress.is_empty():
+            self._quiet_steps += 1
+            fuzzer = self.fuzzer
+            if not ran or self._quiet_steps >= FLUSH_STEPS or fuzzer is not None and fuzzer.send_now():
+                self._quiet_steps = 0
+                self._flush_channels()
+                if not self.progress.is_empty():
+                    did = True
+                    self._send_progress([(loc.node, loc.port, loc.source, t, d)
+                                         for (loc, t), d in self.progress.drain()])
         return did
 
+    def _send_progress(self, updates: list) -> None:
+        """Broadcast this step's progress batch ``((digest, sender, seq), updates)``, encoded once for
+        every other worker (a step's cost then grows with the peers only by the copies sent)."""
+        head = (self.digest, self.index, self._sent)
+        self._sent += 1
+        bodies = None
+        for worker, pusher in enumerate(self._progress_pushers):
+            if worker == self.index:
+                pusher.push((head, updates))
+            else:
+                if bodies is None:
+                    bodies = [pusher.encode_items(updates)]
+                pusher.push_items(head, bodies, len(updates))
+
     def _flush_channels(self) -> None:
-        """Send the records channels buffered (from inputs fed since the last step, or operators)."""
+        """Send the records channels gathered."""
         pending = self.ctx.pending
         while pending:
             pending.pop().flush()
@@ -191,7 +216,7 @@ class Dataflow:
         messages = self._progress_puller.drain()
         tracker = self.tracker
         assert tracker is not None
-        for digest, sender, seq, updates in messages:
+        for (digest, sender, seq), updates in messages:
             if digest != self.digest:
                 raise ProgressMismatchError(
                     f"dataflow '{self.name}': worker {sender} built a different dataflow than worker "

@@ -9,7 +9,9 @@ wrong on another. With ``fuzz=SEED`` (``timely.execute``, ``Worker``, ``python -
 * holds it back for one or more steps (records in flight: the frontier cannot pass their time),
 * splits it at a random point into two batches,
 * releases what it holds in random order (across times too),
-* and schedules random operators with nothing to do.
+* schedules random operators with nothing to do,
+* and sends a busy step's gathered records and progress at random steps (a worker may send them
+  at the end of any step; see ``Dataflow.step``).
 
 It never drops, duplicates or invents records, and it never touches progress: a held batch stays
 counted at its input (ARCHITECTURE 2.1), so no frontier passes its time before it is delivered. The
@@ -29,6 +31,8 @@ DELAY = 0.35
 SPLIT = 0.35
 #: Probability, per step, of scheduling one random operator.
 SPURIOUS = 0.25
+#: Probability that a busy step sends what it gathered (records and progress) at its end.
+SEND = 0.5
 
 
 class Port(Protocol):
@@ -51,6 +55,10 @@ class Fuzzer:
     def hold(self, port: Port, time: Any, batch: Sequence) -> None:
         """Take a batch delivered to ``port`` at ``time``; it reaches the operator at a later step."""
         self.held.append((port, time, batch))
+
+    def send_now(self) -> bool:
+        """Whether a busy step sends its gathered records and progress now (else a later step does)."""
+        return self.rng.random() < SEND
 
     def holding(self) -> bool:
         """True while some batch waits to be delivered."""
