@@ -108,7 +108,7 @@ def _ours_count(worker):
         inp = scope.new_input()
         probe = inp.stream.exchange(0).count_by_key(0).inspect_batch(seen).probe()
     collector.configure(worker.args[1])
-    start = start_together(worker, delay=0.0)
+    start, cpu = start_together(worker, delay=0.0), _cpu()
     for i, b in enumerate(batches):
         inp.send_batch(b)
         worker.step()  # process the batch now, as bytewax does after each next_batch
@@ -118,25 +118,29 @@ def _ours_count(worker):
     inp.close()
     worker.step_while(lambda: not probe.done())
     return {"start": start, "end": time.time(), "inputs": sum(map(len, batches)), "outputs": acc[0],
-            "checksum": acc[1], "native_gen": None}
+            "checksum": acc[1], "native_gen": None, "cpu": _cpu() - cpu}
 
 
 def _ours_nexmark(worker):
+    import megaphone
     from nexmark.model import Params
     from nexmark.openloop import start_together
     from nexmark.queries import QUERIES, Streams
     from timely import collector
 
-    query = worker.args[0]
+    query, _, flex = worker.args[0].partition("-")  # "q3-flex": Q3 on Megaphone, 2^12 bins
     events, round_events, epoch_rounds = (int(a) for a in worker.args[2:])
     rounds, native = _nexmark_rounds(events, round_events, worker.index, worker.peers)
     counted = [0]
     with worker.dataflow() as scope:
         inputs = [scope.new_input(name) for name in ("Persons", "Auctions", "Bids")]
-        out = QUERIES[query].build(Streams(*(i.stream for i in inputs)), Params())
+        control = megaphone.ControlInput(scope, k=12) if flex else None
+        out = QUERIES[query].build(Streams(*(i.stream for i in inputs)), Params(), control)
         probe = out.inspect_batch(lambda t, b: counted.__setitem__(0, counted[0] + len(b))).probe()
+        if control is not None:
+            inputs.append(control)  # kept in step with the data inputs (advance_to, close)
     collector.configure(worker.args[1])
-    start = start_together(worker, delay=0.0)
+    start, cpu = start_together(worker, delay=0.0), _cpu()
     for i, batch in enumerate(rounds):
         for inp, recs in zip(inputs, batch):
             if recs:
@@ -150,7 +154,13 @@ def _ours_nexmark(worker):
         inp.close()
     worker.step_while(lambda: not probe.done())
     return {"start": start, "end": time.time(), "inputs": sum(r.total for r in rounds), "outputs": counted[0],
-            "checksum": 0, "native_gen": native}
+            "checksum": 0, "native_gen": native, "cpu": _cpu() - cpu}
+
+
+def _cpu() -> float:
+    """CPU seconds (user + system, every thread) this process has used."""
+    t = os.times()
+    return t.user + t.system
 
 
 # -- bytewax (runs under .venv-bench/bin/python) ------------------------------------------------

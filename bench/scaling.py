@@ -1,23 +1,23 @@
 """Weak scaling: a fixed amount of work per worker, over 1, 2, 4, 8 and 16 workers.
 
-Workloads:
+Workloads: ``count``, the keyed count of ``bench/exchange.py`` (``exchange(0).count_by_key(0)``,
+``--records`` per worker); ``q1``, ``q3``, ``q5`` (native) and ``q3-flex`` (Megaphone, 2^12 bins),
+NEXMark on ``--events`` events per worker.
 
-- ``count``: the keyed count of ``bench/exchange.py`` (``exchange(0).count_by_key(0)``), a fixed
-  number of records per worker, as fast as the workers go (closed loop);
-- ``q1``, ``q3``, ``q5`` (native) and ``q3-flex`` (Megaphone): NEXMark at a fixed open-loop rate
-  per worker (``bench/nexmark_bench.py``'s driver).
+Every workload first runs **closed loop** (input pushed as fast as the workers take it, one epoch
+at a time in flight; NEXMark as in ``bench/peers.py``) for records/s in total and per worker and
+**records per CPU-second** (user + system time of all worker processes, every thread, between the
+common start and the end): the figure that shows scaling on a machine with fewer cores than
+workers, as it must not fall as workers are added. The NEXMark workloads then run **open loop**
+at ``--rate`` events/s per worker (``bench/nexmark_bench.py``'s driver) for p50 and p99 latency,
+unless ``--no-latency``: with more workers than cores these measure the time slicing of the
+cores rather than the engine. Every figure is the median of ``--runs`` runs; every worker is a
+fresh interpreter (``start="spawn"``).
 
-For each run it prints records/s in total and per worker, **records per CPU-second** (user +
-system time of all worker processes over the measured phase: the figure that shows scaling on a
-machine with fewer cores than workers, as it must not fall as workers are added), the open-loop
-runs' p50 and p99 latency, and the core count. Every figure is the median of ``--runs`` runs;
-every worker is a fresh interpreter (``start="spawn"``).
-
-With more workers than cores, the same instructions cost more CPU time (the processes evict each
-other's caches and are switched in and out). The *control* column measures that alone: the CPU
-time of a fixed engine-free job (msgpack encoding and decoding of keyed records) run in as many
-processes at once as there are workers, relative to one process. A records-per-CPU-second figure
-that falls by the control's factor has lost nothing to the engine.
+With more workers than cores, the same instructions may cost more CPU time (the processes evict
+each other's caches and are switched in and out). The *control* column measures that alone: the
+CPU time of a fixed engine-free job (msgpack encoding and decoding of keyed records) run in as many
+processes at once as there are workers, relative to one process.
 
     .venv/bin/python bench/scaling.py                               # everything, 1..16 workers
     .venv/bin/python bench/scaling.py --workload count --workers 2 8 16 --runs 3
@@ -39,19 +39,21 @@ import timely
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exchange import keyed_count  # bench/ is not a package
+from peers import _ours_nexmark
 
 WORKLOADS = ("count", "q1", "q3", "q5", "q3-flex")
+#: NEXMark closed loop: events per worker by default (the columnar queries take 10-30 M events per
+#: CPU-second, Q5's sliding windows about 1 M: each run should take a CPU-second or more).
+EVENTS = {"q1": 4_000_000, "q3": 4_000_000, "q3-flex": 4_000_000, "q5": 1_000_000}
 
 
 @dataclass
 class Figures:
-    """One run's figures (latencies are None for the closed-loop keyed count)."""
+    """One closed-loop run's figures."""
 
     records: int
     elapsed: float
     cpu: float
-    p50: float | None = None
-    p99: float | None = None
 
     @property
     def rate(self) -> float:
@@ -69,20 +71,27 @@ def run_count(workers: int, per_worker: int, keys: int, batch: int, epoch_batche
     records = per_worker * workers
     results = timely.execute(keyed_count, workers=workers, start="spawn", timeout=900,
                              args=[str(records), str(keys), str(batch), str(epoch_batches), "freeze"])
-    start, end = min(r[0] for r in results), max(r[1] for r in results)
-    return Figures(records, end - start, sum(r[3] for r in results))
+    return Figures(records, max(r[1] for r in results) - min(r[0] for r in results), sum(r[3] for r in results))
 
 
-def run_nexmark(workload: str, workers: int, rate: int, duration: float, k: int) -> Figures:
-    """A NEXMark query at ``rate`` events/s per worker for ``duration`` seconds."""
+def run_nexmark(workload: str, workers: int, per_worker: int, batch: int, epoch_batches: int) -> Figures:
+    """A NEXMark query over ``per_worker`` events on each of ``workers`` workers, closed loop."""
+    args = [workload, "freeze", str(per_worker * workers), str(batch), str(epoch_batches)]
+    results = timely.execute(_ours_nexmark, workers=workers, start="spawn", timeout=900, args=args)
+    return Figures(sum(r["inputs"] for r in results), max(r["end"] for r in results) - min(r["start"] for r in results),
+                   sum(r["cpu"] for r in results))
+
+
+def run_latency(workload: str, workers: int, rate: int, duration: float) -> tuple[float, float]:
+    """p50 and p99 latency (seconds) of a NEXMark query at ``rate`` events/s per worker, open loop."""
     from nexmark.driver import Spec, run
     from nexmark.report import summarise
 
     query, _, flex = workload.partition("-")
-    spec = Spec(query=query, flex=bool(flex), rate=rate * workers, duration=duration, workers=workers, k=k,
+    spec = Spec(query=query, flex=bool(flex), rate=rate * workers, duration=duration, workers=workers, k=12,
                 progress=False)
     s = summarise(workload, spec, run(spec, start="spawn", timeout=duration + 600))
-    return Figures(s.sent, s.elapsed, s.cpu, s.overall[0], s.overall[2])
+    return s.overall[0], s.overall[2]
 
 
 def _control_job(_: int) -> float:
@@ -118,40 +127,46 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--records", type=int, default=1_000_000, help="keyed count: records per worker")
     parser.add_argument("--keys", type=int, default=10_000, help="keyed count: distinct keys")
-    parser.add_argument("--batch", type=int, default=4096, help="keyed count: records per input batch")
-    parser.add_argument("--epoch-batches", type=int, default=64, help="keyed count: batches per epoch and worker")
-    parser.add_argument("--rate", type=int, default=5_000, help="NEXMark: events/s per worker")
-    parser.add_argument("--duration", type=float, default=10.0, help="NEXMark: seconds of input")
-    parser.add_argument("--k", type=int, default=12, help="NEXMark Megaphone: 2^k bins")
+    parser.add_argument("--events", type=int, default=None,
+                        help=f"NEXMark closed loop: events per worker (default {EVENTS})")
+    parser.add_argument("--batch", type=int, default=4096, help="records (events) per input batch and worker")
+    parser.add_argument("--epoch-batches", type=int, default=16,
+                        help="NEXMark closed loop: batches per epoch and worker (the keyed count: 64, as bench/exchange.py)")
+    parser.add_argument("--rate", type=int, default=2_000, help="NEXMark open loop: events/s per worker")
+    parser.add_argument("--duration", type=float, default=8.0, help="NEXMark open loop: seconds of input")
+    parser.add_argument("--no-latency", action="store_true", help="skip the open-loop latency runs")
     opts = parser.parse_args(argv)
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
-    print(f"os.cpu_count() = {os.cpu_count()}; median of {opts.runs} runs; keyed count {opts.records:,} records "
-          f"per worker, {opts.keys:,} keys; NEXMark {opts.rate:,} events/s per worker for {opts.duration:g} s",
-          flush=True)
+    print(f"os.cpu_count() = {os.cpu_count()}; median of {opts.runs} runs; closed loop: keyed count "
+          f"{opts.records:,} records per worker ({opts.keys:,} keys), NEXMark {opts.events or EVENTS} events per worker; "
+          f"open loop: {opts.rate:,} events/s per worker for {opts.duration:g} s", flush=True)
     alone = control(1, 1.0)
     factors = {w: control(w, alone) for w in opts.workers}
-    print(f"{'workload':<9} {'workers':>7} {'records/s':>12} {'per worker':>12} {'per CPU-s':>11} "
-          f"{'CPU-s':>7} {'p50':>9} {'p99':>9} {'control':>8}")
+    print(f"{'workload':<9} {'workers':>7} {'records/s':>12} {'per worker':>12} {'per CPU-s':>11} {'vs 2':>5} "
+          f"{'CPU-s':>6} {'p50':>9} {'p99':>9} {'control':>8}")
     for workload in opts.workload:
-        base: float | None = None
+        base = None
         for workers in opts.workers:
-            runs = []
+            runs, lat = [], []
             for _ in range(opts.runs):
                 if workload == "count":
-                    runs.append(run_count(workers, opts.records, opts.keys, opts.batch, opts.epoch_batches))
+                    runs.append(run_count(workers, opts.records, opts.keys, opts.batch, 64))
                 else:
-                    runs.append(run_nexmark(workload, workers, opts.rate, opts.duration, opts.k))
+                    events = opts.events or EVENTS[workload]
+                    runs.append(run_nexmark(workload, workers, events, opts.batch, opts.epoch_batches))
+                    if not opts.no_latency:
+                        lat.append(run_latency(workload, workers, opts.rate, opts.duration))
                 time.sleep(0.5)  # let the previous run's processes go
             rate = statistics.median(r.rate for r in runs)
             per_cpu = statistics.median(r.per_cpu_s for r in runs)
-            cpu = statistics.median(r.cpu for r in runs)
-            p50 = statistics.median(r.p50 for r in runs) if runs[0].p50 is not None else None  # type: ignore[type-var]
-            p99 = statistics.median(r.p99 for r in runs) if runs[0].p99 is not None else None  # type: ignore[type-var]
-            if workers == 2 or base is None:
-                base = per_cpu if workers == 2 else base
-            share = f"  ({per_cpu / base:.0%} of 2 workers)" if base and workers > 2 else ""
-            print(f"{workload:<9} {workers:>7} {rate:>12,.0f} {rate / workers:>12,.0f} {per_cpu:>11,.0f} "
-                  f"{cpu:>7.1f} {_fmt_ms(p50):>9} {_fmt_ms(p99):>9} {factors[workers]:>7.2f}x{share}", flush=True)
+            if workers == 2:
+                base = per_cpu
+            share = f"{per_cpu / base:.0%}" if base and workers > 2 else "-"
+            p50 = statistics.median(p for p, _ in lat) if lat else None
+            p99 = statistics.median(p for _, p in lat) if lat else None
+            print(f"{workload:<9} {workers:>7} {rate:>12,.0f} {rate / workers:>12,.0f} {per_cpu:>11,.0f} {share:>5} "
+                  f"{statistics.median(r.cpu for r in runs):>6.1f} {_fmt_ms(p50):>9} {_fmt_ms(p99):>9} "
+                  f"{factors[workers]:>7.2f}x", flush=True)
 
 
 if __name__ == "__main__":
