@@ -34,9 +34,6 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Sequence
 
-import networkx as nx
-from networkx.algorithms.bipartite import hopcroft_karp_matching
-
 from .table import moved_bins, validate_table
 
 __all__ = ["STRATEGIES", "Step", "plan"]
@@ -71,6 +68,11 @@ def plan(current: Sequence[int], target: Sequence[int], strategy: str = "batched
 
 
 def _batched(current: Sequence[int], target: Sequence[int], changed: list[int]) -> list[Step]:
+    # Imported here, not with the module: networkx takes a tenth of a second or more to import,
+    # which every worker of a Megaphone job would pay at start-up; only planning uses it.
+    import networkx as nx
+    from networkx.algorithms.bipartite import hopcroft_karp_matching
+
     # Outstanding moves per (sender, receiver) pair, in bin order.
     real: dict[tuple[int, int], deque[int]] = defaultdict(deque)
     for b in changed:
