@@ -3,15 +3,23 @@
 * :class:`FakeControl` and :class:`FakeProbe` stand in for a control input and a probe, so that the
   controller's gating can be driven by hand;
 * :class:`LiveCount` is a real keyed running count (``megaphone.state_machine`` with
-  :func:`count_fold`) on one worker, checked with :func:`observed_count` == :func:`sequential_count`.
+  :func:`count_fold`) on one worker, checked with :func:`observed_count` == :func:`sequential_count`;
+* :func:`running_job` runs a multi-worker job in a thread until its control endpoint answers.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import megaphone
+import timely
 from megaphone.control import ControlInput
 from megaphone.controller import Controller
+from megaphone.endpoint import EndpointError, request
 
 STEP_TIMEOUT = 30
 
@@ -103,3 +111,33 @@ class LiveCount:
         self.control.close()
         self.worker.step_while(lambda: not self.machine.probe.done(), timeout=STEP_TIMEOUT)
         return [(t, *r) for t, batch in self.captured.extract() for r in batch]
+
+
+@contextlib.contextmanager
+def running_job(main: Callable[[Any], Any], workers: int, endpoint: str, join: float,
+                **execute: Any) -> Iterator[dict]:
+    """Run ``timely.execute(main, workers, **execute)`` in a thread; enter once the job's control
+    endpoint answers (60 s at most), and on leaving wait ``join`` seconds for the job to end. The
+    yielded dict gets ``"results"``, or ``"error"`` if the job raised."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["results"] = timely.execute(main, workers=workers, **execute)
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # wait for the job to come up
+            try:
+                assert request(endpoint, {"op": "table"}, 0.5)["ok"]
+                break
+            except EndpointError:
+                assert time.monotonic() < deadline and "error" not in box, box.get("error")
+        yield box
+    finally:
+        t.join(join)
+    assert not t.is_alive() and "error" not in box, box.get("error")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import norm
-from megaphone_jobs import FakeControl, FakeProbe, LiveCount, observed_count, sequential_count
+from megaphone_jobs import FakeControl, FakeProbe, LiveCount, observed_count, running_job, sequential_count
 
 import timely
 from megaphone.controller import Controller
@@ -217,34 +217,13 @@ def cli_cluster_job(worker, k: int, port: int, epochs: int):
 def test_cli_against_a_live_two_worker_job():
     k, port = 4, free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
-    box: dict = {}
-
-    def target():
-        try:
-            box["results"] = timely.execute(
-                functools.partial(cli_cluster_job, k=k, port=port, epochs=200), workers=2)
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    try:
-        deadline = time.monotonic() + 60
-        while True:  # wait for the job to come up
-            try:
-                assert request(endpoint, {"op": "table"}, 0.5)["ok"]
-                break
-            except Exception:
-                assert time.monotonic() < deadline and "error" not in box, box.get("error")
+    with running_job(functools.partial(cli_cluster_job, k=k, port=port, epochs=200), 2, endpoint, join=120) as box:
         goal = skewed(balanced(1 << k, 2))
         r = run_cli("--endpoint", endpoint, "--table", ",".join(map(str, goal)), "--strategy", "batched",
                     "--timeout", "20")
         assert r.returncode == 0, r.stderr
         steps = plan(balanced(1 << k, 2), goal, "batched")
         assert len([ln for ln in r.stdout.splitlines() if ln.startswith("step ")]) == len(steps)
-    finally:
-        t.join(120)
-    assert not t.is_alive() and "error" not in box, box.get("error")
     results = box["results"]
     sent = results[0]["sent"]
     assert observed_count([o for r in results for o in r["outputs"]]) == sequential_count(sent)

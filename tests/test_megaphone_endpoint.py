@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 from conftest import norm
-from megaphone_jobs import FakeControl, FakeProbe, LiveCount, observed_count, sequential_count
+from megaphone_jobs import FakeControl, FakeProbe, LiveCount, observed_count, running_job, sequential_count
 
 import timely
 from megaphone.control import ControlInput
@@ -291,31 +291,11 @@ def test_random_frames_never_hurt_the_job(monkeypatch):
     monkeypatch.delenv(ENV_FILE, raising=False)
     k, port = 4, free_loopback_ports(1)[0]
     endpoint = f"tcp://127.0.0.1:{port}"
-    box: dict = {}
-
-    def target():
-        try:
-            box["results"] = timely.execute(functools.partial(fuzzed_job, k=k, port=port, epochs=200), workers=2,
-                                            timeout=100)
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    try:
-        deadline = time.monotonic() + 60
-        while True:  # wait for the job to come up
-            try:
-                assert request(endpoint, {"op": "table"}, 0.5)["ok"]
-                break
-            except EndpointError:
-                assert time.monotonic() < deadline and "error" not in box, box.get("error")
+    job = functools.partial(fuzzed_job, k=k, port=port, epochs=200)
+    with running_job(job, 2, endpoint, join=90, timeout=100) as box:
         assert _fuzz(port, 2.0, seed=13) > 100
         goal = skewed(balanced(1 << k, 2))
         assert call(endpoint, {"op": "rebalance", "table": list(goal)}, 10)["ok"]
-    finally:
-        t.join(90)
-    assert not t.is_alive() and "error" not in box, box.get("error")
     results = box["results"]
     assert observed_count([o for r in results for o in r["outputs"]]) == sequential_count(results[0]["sent"])
     assert all(list(norm(r["table"])) == list(goal) for r in results)

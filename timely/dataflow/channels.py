@@ -105,8 +105,8 @@ class Channel:
         raise NotImplementedError
 
     def flush(self) -> None:
-        """Send whatever :meth:`push` buffered (a channel that buffers lists itself in
-        ``Context.pending``, and the dataflow calls this in the same step)."""
+        """Send whatever :meth:`push` gathered (a channel that gathers lists itself in
+        ``Context.pending``, which the dataflow flushes with its progress)."""
 
 
 class PipelineChannel(Channel):
@@ -136,7 +136,7 @@ class _RemoteChannel(Channel):
     records for each other worker are encoded at once (while still in the CPU's cache) and
     gathered per time, and sent when the gathered records reach :data:`BUFFER_RECORDS` or the
     allocator's message size limit, when records of another time arrive for that worker, or when
-    the dataflow flushes the channel (at every step: see ``Context.pending``)."""
+    the dataflow flushes the channel with its progress (see ``Context.pending``)."""
 
     def __init__(self, df: Any, target: Any) -> None:
         self.target = target

@@ -93,8 +93,8 @@ class Activator:
 
 class Context:
     """One dataflow's shared state for its operators: worker ``index`` of ``peers``, the progress
-    batch of the current step, the activations, the schedule fuzzer (``None`` unless fuzzing), and
-    the channels holding buffered records (``pending``, flushed by the dataflow at every step)."""
+    batch of the current step(s), the activations, the schedule fuzzer (``None`` unless fuzzing),
+    and the channels holding gathered records (``pending``, flushed by the dataflow)."""
 
     __slots__ = ("index", "peers", "progress", "activations", "fuzzer", "pending")
 
@@ -106,6 +106,7 @@ class Context:
         # whole; it is never split between progress messages.
         self.progress = ChangeBatch()
         self.activations = Activations()
-        # Channels with records buffered for other workers. Invariant: the dataflow flushes them in
-        # the step that buffered them, so buffering never holds a counted record back for longer.
+        # Channels with records gathered for other workers. Invariant: the dataflow flushes them with
+        # its progress (Dataflow.step), before its worker could park: a gathered record is counted,
+        # so it holds its time back like a record in flight, never for longer than FLUSH_STEPS steps.
         self.pending: list[Any] = []

@@ -244,7 +244,7 @@ class Dataflow:
         return sorted(p for p in finished if p != self.index and self._received[p] == 0)
 
     def busy(self) -> bool:
-        """True when operators are waiting to run or progress is waiting to be sent."""
+        """True when operators are waiting to run, or records or progress wait to be sent."""
         return (bool(self.ctx.activations.active) or not self.progress.is_empty() or bool(self.ctx.pending)
                 or self.fuzzer is not None and self.fuzzer.holding())
 
