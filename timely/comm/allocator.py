@@ -15,7 +15,7 @@ Contract every allocator keeps (the progress protocol relies on it, ARCHITECTURE
 from __future__ import annotations
 
 import time
-from collections.abc import Set
+from collections.abc import Iterable, Set
 from typing import Any, Protocol
 
 from .mailbox import LocalPuller, LoopbackPusher, Mailbox
@@ -31,6 +31,13 @@ class Pusher(Protocol):
     the list itself for a loopback), and ``push_items(head, bodies, count)`` sends the message made
     of ``head`` and the ``count`` items of those pieces, received as ``push((head, items))`` is.
     ``max_bytes`` bounds one message's encoding (``None``: no bound); ``len`` of a body is its size.
+
+    ``push_buffers(head, buffers)`` sends raw buffers beside a serialised ``head``: the target's
+    puller receives ``(head, buffers)``, ``head`` as a pushed message is, ``buffers`` a tuple of
+    read-only buffer objects with the same bytes (a remote pusher sends each as a frame of its own
+    and the receiver gets ``memoryview`` objects over the received frames, neither side copying; a
+    loopback queues the very objects pushed). ``max_bytes`` bounds the head's encoding and the
+    buffers together. The buffers must not be modified afterwards.
     """
 
     @property
@@ -45,6 +52,9 @@ class Pusher(Protocol):
 
     def push_items(self, head: Any, bodies: list, count: int) -> None:
         """Queue the message ``(head, items)`` gathered from ``bodies`` (``count`` items in all)."""
+
+    def push_buffers(self, head: Any, buffers: Iterable[Any]) -> None:
+        """Queue the message ``(head, buffers)``; ``buffers`` are objects with the buffer protocol."""
 
 
 class Puller(Protocol):

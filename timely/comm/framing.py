@@ -1,11 +1,17 @@
 """Wire framing of the ZeroMQ transport.
 
-Every ZeroMQ message between two workers has exactly two frames:
+A ZeroMQ message between two workers has two frames, or more for ``DATA_BUFFERS``:
 
 * frame 0, a fixed 16-byte header, ``struct`` format ``<BBHIQ``:
   ``version`` (u8), ``kind`` (u8, a :class:`Kind`), ``source`` worker (u16), ``channel`` (u32) and
-  ``seq`` (u64, the per-(source, target) sequence number of ``DATA`` messages);
-* frame 1, a msgpack payload: the pushed message for ``DATA``, a small control record otherwise.
+  ``seq`` (u64, the per-(source, target) sequence number of ``DATA`` and ``DATA_BUFFERS`` messages,
+  one sequence for both);
+* frame 1, a msgpack payload: the pushed message for ``DATA``, the message's ``head`` for
+  ``DATA_BUFFERS``, a small control record otherwise;
+* ``DATA_BUFFERS`` only: frames 2 .. 2+n-1, the message's ``n`` buffers (n >= 0), raw bytes, one
+  frame each, sent and received without copying. The receiver gets ``(head, buffers)``, the
+  buffers as read-only ``memoryview`` objects over the received frames. The number of buffers is
+  the number of frames (ZeroMQ delivers a multipart message whole or not at all).
 
 One pushed message (a batch of records, a progress batch) is one ZeroMQ message: records are never
 sent one by one.
@@ -13,19 +19,27 @@ sent one by one.
 Payloads are decoded with ``use_list=False``: tuples round-trip as tuples, and **lists arrive as
 tuples** too (msgpack has one array type). Map keys may be any hashable msgpack value (ints,
 tuples), and ``bytes`` stay ``bytes`` (``use_bin_type=True``), ``str`` stay ``str``.
+
+Extensions. :func:`register_extension` teaches every payload (``push``, gathered items, the head
+of ``push_buffers``) one more type, packed as a msgpack ``ExtType`` of its code. The layer knows no
+such type itself; a payload holding an ext code nobody registered fails to decode
+(:class:`FramingError` naming the code).
 """
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Iterable
 from enum import IntEnum
 from typing import Any
 
 import msgpack
+import zmq
 
 from .errors import FramingError
 
 #: Protocol version carried by every header; peers with another version are rejected.
-VERSION = 1
+#: 2: ``DATA_BUFFERS`` (a version-1 worker would ignore it and lose the sequence).
+VERSION = 2
 
 #: The header frame: version, kind, source worker, channel id, sequence number.
 HEADER = struct.Struct("<BBHIQ")
@@ -33,6 +47,8 @@ HEADER = struct.Struct("<BBHIQ")
 #: Largest worker index and channel id the header can carry.
 MAX_SOURCE = 0xFFFF
 MAX_CHANNEL = 0xFFFF_FFFF
+
+_RCVMORE, _NOBLOCK = int(zmq.RCVMORE), int(zmq.NOBLOCK)
 
 
 class Kind(IntEnum):
@@ -45,6 +61,7 @@ class Kind(IntEnum):
     GOODBYE = 4   #: the sender closed cleanly and will send nothing more
     ABORT = 5     #: the sender failed; payload is a one-line reason (str)
     ACK = 6       #: listener -> connector: your GOODBYE (and so everything before it) was read
+    DATA_BUFFERS = 7  #: a pushed ``(head, buffers)`` for ``channel``: msgpack head, then one frame per buffer
 
 
 def pack_header(kind: Kind, source: int, channel: int = 0, seq: int = 0) -> bytes:
@@ -65,7 +82,80 @@ def unpack_header(frame: bytes) -> tuple[Kind, int, int, int]:
         raise FramingError(f"unknown message kind {kind}") from None
 
 
-_packer = msgpack.Packer(use_bin_type=True)
+# -- extensions ---------------------------------------------------------------------------------
+_codes: dict[type, int] = {}  # registered class -> its ext code
+_encoders: dict[type, Callable[[Any], Any]] = {}
+_classes: dict[int, type] = {}  # ext code -> registered class
+_decoders: dict[int, Callable[[bytes], Any]] = {}
+
+
+def register_extension(code: int, cls: type, encode: Callable[[Any], Any], decode: Callable[[bytes], Any]) -> None:
+    """Pack every ``cls`` object inside any payload as msgpack ``ExtType(code, encode(obj))``
+    (``encode`` returns bytes or another buffer) and unpack it with ``decode(data)``.
+
+    Instances of subclasses of ``cls`` are packed the same way (the nearest registered class in
+    their MRO wins) and come back as whatever ``decode`` returns; ``cls`` must not be (or derive
+    from) a type msgpack packs itself (``int``, ``str``, ``bytes``, ``tuple``, ``dict`` ...: those
+    never reach the extensions). ``encode`` may itself call :func:`encode`. ``code`` is 0..127; every worker
+    of a job must register the same extensions, before its first message with one. Registering
+    ``cls`` again under its code replaces the functions; a code taken by another class, or a class
+    already registered under another code, raises ``ValueError``. Payloads without such objects
+    cost nothing more (msgpack consults the extensions only for types it does not know).
+    """
+    if not isinstance(code, int) or not 0 <= code <= 127:
+        raise ValueError(f"extension code must be an int in 0..127, not {code!r}")
+    if not isinstance(cls, type):
+        raise TypeError(f"extension class must be a type, not {cls!r}")
+    taken = _classes.get(code)
+    if taken is not None and taken is not cls:
+        raise ValueError(f"extension code {code} is already registered for {taken.__qualname__}")
+    if _codes.get(cls, code) != code:
+        raise ValueError(f"{cls.__qualname__} is already registered under extension code {_codes[cls]}")
+    _codes[cls] = code
+    _encoders[cls] = encode
+    _classes[code] = cls
+    _decoders[code] = decode
+
+
+def _pack_extension(obj: Any) -> msgpack.ExtType:
+    """msgpack's ``default`` hook: called only for objects msgpack cannot pack itself."""
+    global _packer
+    for klass in type(obj).__mro__:
+        code = _codes.get(klass)
+        if code is not None:
+            # The shared packer is in the middle of packing the outer message: an encoder that
+            # calls encode() (nested messages) must get a packer of its own meanwhile.
+            outer = _packer
+            _packer = _spare_packers.pop() if _spare_packers else _new_packer()
+            try:
+                data = _encoders[klass](obj)
+            finally:
+                _spare_packers.append(_packer)
+                _packer = outer
+            return msgpack.ExtType(code, data if isinstance(data, bytes) else bytes(data))
+    raise TypeError(f"can not serialize {type(obj).__qualname__!r} object")
+
+
+def _unpack_extension(code: int, data: bytes) -> Any:
+    """msgpack's ``ext_hook``: called only for ``ExtType`` values."""
+    decoder = _decoders.get(code)
+    if decoder is None:
+        raise FramingError(f"a message holds msgpack extension type {code}, which no register_extension "
+                           "on this worker knows (do all workers register the same extensions?)")
+    return decoder(data)
+
+
+def _refuse_extension(code: int, data: bytes) -> Any:
+    raise FramingError(f"msgpack extension type {code} in a message from an unknown connection")
+
+
+# -- payloads -----------------------------------------------------------------------------------
+def _new_packer() -> msgpack.Packer:
+    return msgpack.Packer(use_bin_type=True, default=_pack_extension)
+
+
+_packer = _new_packer()  # shared by every encode (one at a time; see _pack_extension)
+_spare_packers: list[msgpack.Packer] = []  # for encodes nested in an extension's encoder
 
 
 def encode(obj: Any) -> bytes:
@@ -104,5 +194,38 @@ def encode_gathered(head: Any, bodies: list, count: int) -> bytes:
 
 
 def decode(buf: Any) -> Any:
-    """Deserialise a msgpack payload (``bytes`` or a buffer); arrays come back as tuples."""
-    return msgpack.unpackb(buf, use_list=False, raw=False, strict_map_key=False)
+    """Deserialise a msgpack payload (``bytes`` or a buffer); arrays come back as tuples, and
+    registered extensions as their objects (an unregistered ext code raises :class:`FramingError`)."""
+    return msgpack.unpackb(buf, use_list=False, raw=False, strict_map_key=False, ext_hook=_unpack_extension)
+
+
+def decode_untrusted(buf: Any) -> Any:
+    """:func:`decode` for a connection that has not completed the handshake: no extension's
+    decoder ever runs on a stranger's bytes (any ext type raises :class:`FramingError`)."""
+    return msgpack.unpackb(buf, use_list=False, raw=False, strict_map_key=False, ext_hook=_refuse_extension)
+
+
+def recv_buffer_frames(socket: zmq.Socket) -> tuple[tuple[memoryview, ...], int]:
+    """Receive the remaining frames of the message being read from ``socket``, without copying:
+    read-only ``memoryview`` objects over the frames (each keeps its frame alive), and their
+    total bytes."""
+    frames = []
+    size = 0
+    while socket.getsockopt(_RCVMORE):
+        view = socket.recv(_NOBLOCK, copy=False).buffer.toreadonly()  # 'B' format: len is bytes
+        size += len(view)
+        frames.append(view)
+    return tuple(frames), size
+
+
+def buffer_frames(buffers: Iterable[Any]) -> tuple[tuple[memoryview, ...], int]:
+    """``buffers`` as frames to send without copying, and their total bytes: a ``memoryview`` of
+    each (``TypeError`` for an object without the buffer protocol, ``ValueError`` for a
+    non-contiguous one), validated before any frame is sent (a message is never half-sent)."""
+    views = tuple([memoryview(b) for b in buffers])
+    size = 0
+    for view in views:
+        if not view.contiguous:
+            raise ValueError("push_buffers: a buffer is not contiguous in memory")
+        size += view.nbytes
+    return views, size

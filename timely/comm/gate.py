@@ -4,7 +4,9 @@ Anyone who can reach a worker's endpoint can open a connection to it. Until that
 ``HELLO`` carries the job token (and, with a job secret, before it can even open one), nothing it
 sends reaches the job: :func:`read_hello` validates every frame (count, sizes, kind, payload) and
 :func:`hello_rejection` the greeting itself. A bad message is refused, counted and logged at most
-once per :data:`LOG_INTERVAL` seconds (:class:`Refusals`), never fatal.
+once per :data:`LOG_INTERVAL` seconds (:class:`Refusals`), never fatal. A message of more than two
+frames (a ``DATA_BUFFERS`` message, or garbage) is refused like any other: only a greeted peer's
+messages may have more. No registered msgpack extension ever decodes a stranger's bytes.
 
 Memory. ZeroMQ's ``MAXMSGSIZE`` on the ``ROUTER`` (set from ``max_message_bytes``) disconnects a
 peer as soon as a frame's size header exceeds the limit, before buffering it; the frames of one
@@ -21,7 +23,7 @@ from typing import Any
 import zmq
 
 from .errors import FramingError
-from .framing import HEADER, VERSION, Kind, decode, unpack_header
+from .framing import HEADER, VERSION, Kind, decode_untrusted, unpack_header
 
 #: Largest ``HELLO`` payload accepted (a real one is well under 200 bytes).
 MAX_HELLO_BYTES = 1024
@@ -61,7 +63,7 @@ def read_hello(router: zmq.Socket) -> tuple[int, Any] | str:
     if len(payload) > MAX_HELLO_BYTES:
         return f"a HELLO of {len(payload)} bytes (at most {MAX_HELLO_BYTES})"
     try:
-        return source, decode(payload.bytes)
+        return source, decode_untrusted(payload.bytes)
     except Exception as exc:  # any malformed msgpack: ValueError, ExtraData, recursion...
         return f"an undecodable HELLO ({type(exc).__name__})"
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .errors import ChannelMismatch, CommError, FramingError, HandshakeError, MessageTooLarge, PeerLost
-from .framing import HEADER, Kind, decode, encode, pack_header, unpack_header
+from .errors import ChannelMismatch, CommError, FramingError, HandshakeError, PeerLost
+from .framing import HEADER, Kind, decode, encode, pack_header, recv_buffer_frames, unpack_header
 from .gate import Refusals, hello_rejection, read_hello
 from .mailbox import Mailbox
 from .peer import HANDSHAKE_FAILED, NOBLOCK, Peer, Tuning, bind_router, connect_peer
@@ -29,7 +29,7 @@ from .peer import HANDSHAKE_FAILED, NOBLOCK, Peer, Tuning, bind_router, connect_
 if TYPE_CHECKING:
     from .secret import Guard, JobSecret
 
-_DATA, _GOODBYE, _ABORT = int(Kind.DATA), int(Kind.GOODBYE), int(Kind.ABORT)
+_DATA, _DATA_BUFFERS, _GOODBYE, _ABORT = int(Kind.DATA), int(Kind.DATA_BUFFERS), int(Kind.GOODBYE), int(Kind.ABORT)
 
 #: Seconds between checks of the connection monitors on the non-blocking ``receive`` path.
 WATCH_INTERVAL = 0.02
@@ -108,30 +108,6 @@ class Links:
         if self._suspects:
             self._check_suspects()
 
-    def send_data(self, peer: Peer, channel: int, message: Any) -> None:
-        """Serialise ``message`` and send it to ``peer`` on ``channel`` (or queue it in its backlog)."""
-        if peer.goodbye:
-            return  # it closed after finishing every dataflow: nothing it could still need
-        try:
-            payload = encode(message)
-        except Exception as exc:
-            raise TypeError(f"cannot send a message to worker {peer.index} on channel {channel}: "
-                            f"{exc} (messages must be msgpack-serialisable)") from exc
-        self.send_payload(peer, channel, payload)
-
-    def send_payload(self, peer: Peer, channel: int, payload: bytes) -> None:
-        """Send an encoded message to ``peer`` on ``channel`` (or queue it in its backlog)."""
-        if peer.goodbye:
-            return
-        limit = self._tuning.max_message_bytes
-        if len(payload) > limit:  # refused whole, before it takes a sequence number
-            raise MessageTooLarge(len(payload), limit, (
-                f"worker {self.index}: a message of {len(payload)} bytes to worker {peer.index} on channel "
-                f"{channel} exceeds max_message_bytes ({limit}); split it"))
-        head = pack_header(Kind.DATA, self.index, channel, peer.send_seq)
-        peer.send_seq += 1
-        self._send(peer, head, payload)
-
     def release(self) -> None:
         """Flush the backlogs; while one is over its bound, wait for room (receiving meanwhile).
 
@@ -181,6 +157,7 @@ class Links:
         self._others.append(peer)
         self._monitors[peer.monitor] = peer
         self._dealers[peer.dealer] = peer
+        peer.on_backlog = self._watch
         self._poller.register(peer.monitor, zmq.POLLIN)
         self._poller.register(peer.dealer, zmq.POLLIN)  # POLLOUT is added while it has a backlog
 
@@ -288,7 +265,8 @@ class Links:
                 self._on_stranger(rid)
                 continue
             # Invariant: a routing id is bound to one of our DEALERs at its HELLO, and our DEALERs
-            # always send exactly two frames (header, payload), so no RCVMORE check is needed.
+            # send exactly two frames (header, payload) but for DATA_BUFFERS, whose further frames
+            # its branch reads: no RCVMORE check is needed on the DATA path.
             head = recv(NOBLOCK)
             payload = recv(NOBLOCK)
             budget -= len(payload)
@@ -297,16 +275,16 @@ class Links:
             version, kind, _source, channel, seq = unpack(head)
             if kind == _DATA:
                 if seq != peer.recv_seq:
-                    self.fail(CommError(f"worker {self.index}: message {seq} from worker {peer.index} arrived "
-                                        f"when {peer.recv_seq} was expected (lost or duplicated message)"))
+                    self._out_of_order(peer, seq)
                 peer.recv_seq = seq + 1
                 try:
                     deliver(peer.index, channel, decode(payload), len(payload))
                 except ChannelMismatch as exc:
                     self.fail(exc)
                 if peer.dropped:
-                    # Its data still flows in (it is lingering to deliver it): not lost yet.
-                    peer.lost_deadline = time.monotonic() + self._tuning.goodbye_grace
+                    self._still_sending(peer)
+            elif kind == _DATA_BUFFERS:
+                budget -= self._deliver_buffers(peer, channel, seq, payload)
             elif kind == _GOODBYE:
                 peer.goodbye = True
                 self.finished.add(peer.index)
@@ -316,6 +294,29 @@ class Links:
             elif kind == _ABORT:
                 self.fail(PeerLost(peer.index, f"worker {self.index}: worker {peer.index} failed: "
                                                f"{decode(payload)}"))
+
+    def _deliver_buffers(self, peer: Peer, channel: int, seq: int, payload: bytes) -> int:
+        """Read the buffer frames of a ``DATA_BUFFERS`` message whose header and ``payload`` (its
+        head) were read and deliver ``(head, buffers)``; return the bytes of its buffers."""
+        buffers, size = recv_buffer_frames(self._router)
+        if seq != peer.recv_seq:
+            self._out_of_order(peer, seq)
+        peer.recv_seq = seq + 1
+        try:
+            self._mailbox.deliver(peer.index, channel, (decode(payload), buffers), size + len(payload))
+        except ChannelMismatch as exc:
+            self.fail(exc)
+        if peer.dropped:
+            self._still_sending(peer)
+        return size
+
+    def _out_of_order(self, peer: Peer, seq: int) -> NoReturn:
+        self.fail(CommError(f"worker {self.index}: message {seq} from worker {peer.index} arrived "
+                            f"when {peer.recv_seq} was expected (lost or duplicated message)"))
+
+    def _still_sending(self, peer: Peer) -> None:
+        """Data from a peer whose connection dropped: it is lingering to deliver it, not lost yet."""
+        peer.lost_deadline = time.monotonic() + self._tuning.goodbye_grace
 
     def _on_monitor(self, peer: Peer) -> None:
         while True:
@@ -346,10 +347,10 @@ class Links:
         self._suspects = [p for p in self._suspects if not p.goodbye]
 
     # -- sending -----------------------------------------------------------------------------
-    def _send(self, peer: Peer, head: bytes, payload: bytes) -> None:
-        if peer.send(head, payload):  # it has a backlog now: watch for room
-            self._backlogged.add(peer)
-            self._poller.register(peer.dealer, zmq.POLLIN | zmq.POLLOUT)
+    def _watch(self, peer: Peer) -> None:
+        """``peer`` has a backlog now: watch its ``DEALER`` for room."""
+        self._backlogged.add(peer)
+        self._poller.register(peer.dealer, zmq.POLLIN | zmq.POLLOUT)
 
     def _flush(self, peer: Peer) -> None:
         if peer.flush():
@@ -413,7 +414,8 @@ class Links:
         goodbye = encode(None)
         for peer in self._others:
             if not peer.goodbye and not peer.dropped:
-                self._send(peer, pack_header(Kind.GOODBYE, self.index), goodbye)
+                if peer.send(pack_header(Kind.GOODBYE, self.index), goodbye):
+                    self._watch(peer)
         try:
             # Keep receiving while waiting: a peer blocked sending to us must be able to finish,
             # and its GOODBYE must be acknowledged.

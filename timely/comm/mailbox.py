@@ -2,18 +2,21 @@
 
 Every allocator keeps one :class:`Mailbox`. A remote allocator hands it each decoded message with
 :meth:`Mailbox.deliver`; a push to this worker itself goes straight into the channel's queue
-through a :class:`LoopbackPusher`, by reference. A peer may run ahead and send on a channel this
-worker has not allocated yet: those messages wait in the mailbox until the channel is allocated.
+through a :class:`LoopbackPusher`, by reference (``push_buffers`` queues ``(head,
+tuple(buffers))``). A peer may run ahead and send on a channel this worker has not allocated yet:
+those messages wait in the mailbox until the channel is allocated.
 
-Unread bytes. :attr:`Mailbox.unread_bytes` counts the encoded size of the peers' messages the
-worker has not taken yet: delivered, and not yet reported by :meth:`Mailbox.take_events` (the
-worker reads every reported channel's puller right after taking its events), or waiting for a
-channel not allocated yet. The remote allocator stops reading from the network while it is over
-its budget, so a slow worker holds a bounded amount of received data and its senders wait.
+Unread bytes. :attr:`Mailbox.unread_bytes` counts the encoded size of the peers' messages (with
+their buffers, for ``push_buffers``) the worker has not taken yet: delivered, and not yet reported
+by :meth:`Mailbox.take_events` (the worker reads every reported channel's puller right after
+taking its events), or waiting for a channel not allocated yet. The remote allocator stops reading
+from the network while it is over its budget, so a slow worker holds a bounded amount of received
+data and its senders wait.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 from .errors import ChannelMismatch
@@ -63,6 +66,10 @@ class LoopbackPusher:
     def push_items(self, head: Any, bodies: list, count: int) -> None:
         """Queue ``(head, items)``, the items of the pieces ``bodies`` in order."""
         self.push((head, [item for body in bodies for item in body]))
+
+    def push_buffers(self, head: Any, buffers: Iterable[Any]) -> None:
+        """Queue ``(head, tuple(buffers))``, the buffers by reference (not copied, not checked)."""
+        self.push((head, tuple(buffers)))
 
 
 class Mailbox:

@@ -1,25 +1,29 @@
 """One worker's connection to another: socket set-up, the outbound queue and the handshake checks.
 
 A worker reaches peer ``j`` through one ``DEALER`` socket connected to ``j``'s ``ROUTER``
-(:class:`Peer`), so each ordered pair of workers has exactly one connection and it is FIFO.
+(:class:`Peer`), so each ordered pair of workers has exactly one connection and it is FIFO. The
+data pushed to ``j`` (``push``, gathered payloads, ``push_buffers``) is framed, numbered and
+checked against the message size limit here (:mod:`timely.comm.framing` has the frame layout).
 
 Backpressure. Sends are non-blocking. What ZeroMQ cannot take (its queue to a peer holds ``hwm``
 messages) waits in the peer's backlog, in order; :meth:`Peer.flush` sends it once ZeroMQ has
-room. Bounding the backlog (waiting while receiving) is the allocator's job.
+room. A message of several frames waits whole and is sent whole (its first frame is the only one
+that can be refused). Bounding the backlog (waiting while receiving) is the allocator's job.
 """
 from __future__ import annotations
 
 import math
 import os
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import zmq
 
 from .endpoints import ipc_path_in_use
-from .errors import AddressInUse, CommError
-from .framing import HEADER, VERSION, Kind, encode, pack_header
+from .errors import AddressInUse, CommError, MessageTooLarge
+from .framing import HEADER, VERSION, Kind, buffer_frames, encode, pack_header
 
 if TYPE_CHECKING:
     from .secret import JobSecret
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
 # Plain ints: pyzmq's enum flags cost microseconds per operation on the hot path.
 NOBLOCK = int(zmq.NOBLOCK)
 NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+SNDMORE = int(zmq.SNDMORE)
 
 #: What a ``DEALER``'s monitor reports: a dropped connection, or a failed ZMTP / CURVE handshake.
 HANDSHAKE_FAILED = int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -68,19 +73,28 @@ class Tuning:
 
 
 class Peer:
-    """Another worker, seen from this one: its ``DEALER`` (with a disconnect monitor), the backlog
-    of messages ZeroMQ could not take yet, sequence numbers and handshake / goodbye state."""
+    """Worker ``index``, seen from worker ``me``: its ``DEALER`` (with a disconnect monitor), the
+    data messages pushed to it (serialised, numbered, refused over ``max_message_bytes``), the
+    backlog of messages ZeroMQ could not take yet, and handshake / goodbye state."""
 
-    __slots__ = ("index", "endpoint", "dealer", "monitor", "backlog", "backlog_bytes", "send_seq",
-                 "recv_seq", "rid", "hello", "welcomed", "goodbye", "acked", "lost_deadline")
+    __slots__ = ("me", "index", "endpoint", "dealer", "monitor", "max_message_bytes", "on_backlog", "backlog",
+                 "backlog_bytes", "send_seq", "recv_seq", "rid", "hello", "welcomed", "goodbye", "acked",
+                 "lost_deadline")
 
-    def __init__(self, index: int, endpoint: str, dealer: zmq.Socket, monitor: zmq.Socket) -> None:
+    def __init__(self, me: int, index: int, endpoint: str, dealer: zmq.Socket, monitor: zmq.Socket,
+                 max_message_bytes: int) -> None:
+        self.me = me
         self.index = index
         self.endpoint = endpoint
         self.dealer = dealer
         self.monitor = monitor
-        # Frames ZeroMQ could not take yet, oldest first; sent strictly in this order (FIFO).
-        self.backlog: deque[tuple[bytes, bytes]] = deque()
+        self.max_message_bytes = max_message_bytes
+        # Called with this peer when a push starts its backlog (the owner then watches for room).
+        self.on_backlog: Callable[[Peer], object] = _ignore
+        # Messages ZeroMQ could not take yet, oldest first; sent strictly in this order (FIFO).
+        # Each is (header, payload, buffers, size): buffers are the frames after the payload
+        # (empty for a two-frame message), size the bytes of all its frames.
+        self.backlog: deque[tuple[bytes, bytes, tuple, int]] = deque()
         self.backlog_bytes = 0
         self.send_seq = 0          # next DATA sequence number we send to this peer
         self.recv_seq = 0          # next DATA sequence number we expect from this peer
@@ -103,12 +117,51 @@ class Peer:
         """It needs nothing more from us: it read our GOODBYE, said its own, or is gone."""
         return self.acked or self.goodbye or self.dropped
 
+    def push(self, channel: int, message: Any) -> None:
+        """Serialise ``message`` and send it on ``channel`` (or queue it in the backlog)."""
+        if self.goodbye:
+            return  # it closed after finishing every dataflow: nothing it could still need
+        try:
+            payload = encode(message)
+        except Exception as exc:
+            raise self._unencodable(channel, exc) from exc
+        self.push_payload(channel, payload)
+
+    def push_payload(self, channel: int, payload: bytes) -> None:
+        """Send an encoded message on ``channel`` (or queue it in the backlog)."""
+        if self.goodbye:
+            return
+        if len(payload) > self.max_message_bytes:  # refused whole, before it takes a sequence number
+            self._too_large(channel, len(payload))
+        head = pack_header(Kind.DATA, self.me, channel, self.send_seq)
+        self.send_seq += 1
+        if self.send(head, payload):
+            self.on_backlog(self)
+
+    def push_buffers(self, channel: int, head: Any, buffers: Iterable[Any]) -> None:
+        """Send ``(head, buffers)`` on ``channel`` as one ``DATA_BUFFERS`` message (or queue it in
+        the backlog): ``head`` serialised, then each buffer a frame of its own, not copied."""
+        if self.goodbye:
+            return
+        try:
+            payload = encode(head)
+        except Exception as exc:
+            raise self._unencodable(channel, exc) from exc
+        frames, size = buffer_frames(buffers)
+        size += len(payload)
+        if size > self.max_message_bytes:  # all frames together; refused whole, as in push_payload
+            self._too_large(channel, size)
+        header = pack_header(Kind.DATA_BUFFERS, self.me, channel, self.send_seq)
+        self.send_seq += 1
+        if self.send_buffers(header, payload, frames, size + HEADER.size):
+            self.on_backlog(self)
+
     def send(self, head: bytes, payload: bytes) -> bool:
-        """Send one message now, or queue it behind older ones. Return True when this started a
-        backlog (the caller then watches the ``DEALER`` for room)."""
+        """Send one two-frame message now, or queue it behind older ones. Return True when this
+        started a backlog (the caller then watches the ``DEALER`` for room)."""
         # FIFO: a message goes straight out only when nothing older is waiting for this peer.
         if self.backlog:
-            self._queue(head, payload)
+            self._queue(head, payload, (), len(payload) + HEADER.size)
             return False
         send = self.dealer.send
         try:
@@ -116,9 +169,24 @@ class Peer:
             # whole multipart message (atomic delivery), so a message is never half-sent.
             send(head, NOBLOCK_MORE)
         except zmq.Again:
-            self._queue(head, payload)
+            self._queue(head, payload, (), len(payload) + HEADER.size)
             return True
         send(payload, 0, copy=False)
+        return False
+
+    def send_buffers(self, head: bytes, payload: bytes, buffers: tuple, size: int) -> bool:
+        """:meth:`send` for a message of more frames: ``head``, ``payload`` then each of
+        ``buffers`` (C-contiguous buffer objects, sent without copying; ZeroMQ keeps a reference
+        until each is sent). ``size`` is the bytes of all frames together."""
+        if self.backlog:
+            self._queue(head, payload, buffers, size)
+            return False
+        try:
+            self.dealer.send(head, NOBLOCK_MORE)  # as in send: only the first frame can fail
+        except zmq.Again:
+            self._queue(head, payload, buffers, size)
+            return True
+        self._send_rest(payload, buffers)
         return False
 
     def flush(self) -> bool:
@@ -127,11 +195,14 @@ class Peer:
         send = self.dealer.send
         try:
             while backlog:
-                head, payload = backlog[0]
+                head, payload, buffers, size = backlog[0]
                 send(head, NOBLOCK_MORE)  # as in send: only the first frame can fail
-                send(payload, 0, copy=False)
+                if buffers:
+                    self._send_rest(payload, buffers)
+                else:  # a two-frame message
+                    send(payload, 0, copy=False)
                 backlog.popleft()
-                self.backlog_bytes -= len(payload) + HEADER.size
+                self.backlog_bytes -= size
         except zmq.Again:
             return False
         return True
@@ -150,9 +221,32 @@ class Peer:
         self.monitor.close(0)
         self.dealer.close(linger_ms)
 
-    def _queue(self, head: bytes, payload: bytes) -> None:
-        self.backlog.append((head, payload))
-        self.backlog_bytes += len(payload) + HEADER.size
+    def _unencodable(self, channel: int, exc: Exception) -> TypeError:
+        return TypeError(f"cannot send a message to worker {self.index} on channel {channel}: "
+                         f"{exc} (messages must be msgpack-serialisable)")
+
+    def _too_large(self, channel: int, size: int) -> NoReturn:
+        limit = self.max_message_bytes
+        raise MessageTooLarge(size, limit, (
+            f"worker {self.me}: a message of {size} bytes to worker {self.index} on channel "
+            f"{channel} exceeds max_message_bytes ({limit}); split it"))
+
+    def _queue(self, head: bytes, payload: bytes, buffers: tuple, size: int) -> None:
+        self.backlog.append((head, payload, buffers, size))
+        self.backlog_bytes += size
+
+    def _send_rest(self, payload: bytes, buffers: tuple) -> None:
+        """The frames after an accepted header frame: they cannot fail with EAGAIN (ZeroMQ
+        checks its high-water mark only at a message's first frame), so no flag is NOBLOCK."""
+        send = self.dealer.send
+        frames = (payload, *buffers)
+        for frame in frames[:-1]:
+            send(frame, SNDMORE, copy=False)
+        send(frames[-1], 0, copy=False)
+
+
+def _ignore(peer: Peer) -> None:
+    """The default ``on_backlog``: nobody watches."""
 
 
 def connect_peer(ctx: zmq.Context, tuning: Tuning, secret: JobSecret | None, me: int, peers: int, token: str,
@@ -163,7 +257,7 @@ def connect_peer(ctx: zmq.Context, tuning: Tuning, secret: JobSecret | None, me:
     tuning.apply(dealer)
     if secret is not None:
         secret.connect(dealer)
-    peer = Peer(index, endpoint, dealer, dealer.get_monitor_socket(MONITORED))
+    peer = Peer(me, index, endpoint, dealer, dealer.get_monitor_socket(MONITORED), tuning.max_message_bytes)
     try:
         dealer.connect(endpoint)
     except zmq.ZMQError as exc:

@@ -9,8 +9,14 @@ non-blocking send fails with ``EAGAIN`` instead), and nothing here uses PUB/SUB.
 
 Framing. One pushed message is one two-frame ZeroMQ message: a 16-byte header and a msgpack
 payload (:mod:`timely.comm.framing`). Payloads decode with ``use_list=False``: tuples round-trip as
-tuples and lists arrive as tuples. A push to this worker itself is a local loopback: the object is
-queued by reference, never serialised.
+tuples and lists arrive as tuples. ``push_buffers(head, buffers)`` sends one ``DATA_BUFFERS``
+message of 2 + n frames: the header, the msgpack ``head``, then each buffer as a frame of its own,
+sent without copying (ZeroMQ keeps a reference until it is sent: the buffers must not be modified
+afterwards) and received without copying: the puller gets ``(head, buffers)``, ``buffers`` a tuple
+of read-only ``memoryview`` objects over the received frames (at no particular alignment). It shares
+the sequence numbers, the FIFO order, the backlog and the limits of every other message: its size is
+the head's encoding plus all buffers. A push to this worker itself is a local loopback: the object
+(or ``(head, tuple(buffers))``) is queued by reference, never serialised.
 
 Handshake. Each ``DEALER`` first sends ``HELLO`` (job token, worker index, number of workers,
 message size limit); the listener answers ``WELCOME`` or ``REJECT`` with a reason. A peer of another
@@ -54,7 +60,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable, Iterable, Set
 from typing import Any
 
 from .allocator import Puller, Pusher
@@ -76,17 +82,19 @@ HWM_FLOOR = 16
 class _RemotePusher:
     """Pushes to another worker over its connection (serialised at push time)."""
 
-    __slots__ = ("push", "_send_payload", "max_bytes")
+    __slots__ = ("push", "push_buffers", "_send_payload", "max_bytes")
 
     encode_items = staticmethod(encode_items)
 
-    def __init__(self, links: Links, peer: Peer, channel: int, max_bytes: int) -> None:
+    def __init__(self, peer: Peer, channel: int) -> None:
         # push(message) serialises and sends (or queues in the peer's backlog), through a partial:
         # on the hot path, without a Python frame of its own. It raises MessageTooLarge, having
-        # sent nothing, when the encoding exceeds max_message_bytes.
-        self.push: Callable[[Any], None] = functools.partial(links.send_data, peer, channel)
-        self._send_payload: Callable[[bytes], None] = functools.partial(links.send_payload, peer, channel)
-        self.max_bytes = max_bytes
+        # sent nothing, when the encoding exceeds max_message_bytes; so does push_buffers(head,
+        # buffers) when the head's encoding and the buffers together do.
+        self.push: Callable[[Any], None] = functools.partial(peer.push, channel)
+        self.push_buffers: Callable[[Any, Iterable[Any]], None] = functools.partial(peer.push_buffers, channel)
+        self._send_payload: Callable[[bytes], None] = functools.partial(peer.push_payload, channel)
+        self.max_bytes = peer.max_message_bytes
 
     def push_items(self, head: Any, bodies: list, count: int) -> None:
         """Send ``(head, items)``, the ``count`` items encoded in ``bodies`` by :meth:`encode_items`."""
@@ -102,9 +110,10 @@ class ZmqAllocator:
     connected (at most ``startup_timeout`` seconds). Create it after any ``fork``. With ``secret``
     (every worker of the job the same), links are authenticated and encrypted with CURVE.
 
-    Memory, in bytes. A remote pusher refuses a message whose encoding exceeds
-    ``max_message_bytes`` (default 8 MiB) with :class:`MessageTooLarge`, sending nothing; no
-    worker accepts a larger frame. Per ordered pair of workers (i -> j) there are at most:
+    Memory, in bytes. A remote pusher refuses a message whose encoding (for ``push_buffers``,
+    the head's encoding and all buffers together) exceeds ``max_message_bytes`` (default 8 MiB)
+    with :class:`MessageTooLarge`, sending nothing; no worker accepts a larger frame. Per ordered
+    pair of workers (i -> j) there are at most:
 
     - in i's backlog for j: ``backlog_bytes`` (default 16 MiB) plus one message, before ``release``
       waits (it stops waiting early only while i's own mailbox is full, so that two workers
@@ -146,7 +155,6 @@ class ZmqAllocator:
             hwm = max(HWM_FLOOR, inflight_bytes // (2 * max_message_bytes))
         self.index = index
         self.peers = peers
-        self._max_message_bytes = max_message_bytes
         self._mailbox = Mailbox(index)
         # None for a single worker: every push is then a loopback, and nothing is opened.
         self._links: Links | None = None
@@ -171,7 +179,7 @@ class ZmqAllocator:
             raise
         pushers: list[Pusher] = [
             self._mailbox.loopback(puller) if j == self.index or links is None
-            else _RemotePusher(links, links.peer(j), channel, self._max_message_bytes)
+            else _RemotePusher(links.peer(j), channel)
             for j in range(self.peers)
         ]
         return pushers, puller
