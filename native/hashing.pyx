@@ -41,8 +41,9 @@ Every batch function loops over the records in C; the only per-record Python cal
 callable, when one is given. ``key`` is one of: an int field index (``record[key]`` for tuple/list
 records, negative indices allowed), ``None`` (hash the whole record), or a callable ``key(record)``.
 
-Sources: this file (the hash), batch.pxi (partition, hash_batch, bins_of) and route_bins.pxi
-(route_bins), included below into the one extension module.
+Sources: this file (the hash), batch.pxi (partition, hash_batch, bins_of), route_bins.pxi
+(route_bins) and columns.pxi (the same hash over Arrow columns, and splitting rows by worker, for
+timely.columnar.kernels), included below into the one extension module.
 """
 from libc.stdint cimport uint64_t, int64_t, uint32_t
 from cpython.mem cimport PyMem_Malloc, PyMem_Calloc, PyMem_Free
@@ -262,3 +263,4 @@ def hash64(obj: object) -> int:
 
 include "batch.pxi"
 include "route_bins.pxi"
+include "columns.pxi"
