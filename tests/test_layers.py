@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: What code outside the engine may import from it.
 PUBLIC = {"timely", "timely.routing", "timely.errors", "timely.testing", "timely.collector", "timely.launch",
-          "timely.comm.secret"}  # the job secret: the bridge and Megaphone's endpoint secure their sockets with it
+          "timely.comm.secret",  # the job secret: the bridge and Megaphone's endpoint secure their sockets with it
+          "timely.columnar"}  # streams of Arrow record batches
 CLIENTS = ["megaphone", "spark_bridge", "nexmark", "pyspark_timely", "examples"]
 
 
@@ -72,6 +73,8 @@ LAYERS = {
     "timely.progress": set(),
     "timely.comm": set(),
     "timely.dataflow": {"timely.progress", "timely.routing"},
+    # Columnar streams: operators over the dataflow layer, buffers over the transport's framing.
+    "timely.columnar": {"timely.dataflow", "timely.progress", "timely.routing", "timely._native", "timely.comm.framing"},
 }
 # Within timely.dataflow: a module imports only modules of a lower rank.
 DATAFLOW_RANK = {

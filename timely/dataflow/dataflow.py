@@ -7,7 +7,7 @@ whole dataflow. The build phase ends at :meth:`Dataflow.freeze`; the structure i
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BuildError, ProgressMismatchError, ProgressOrderError
@@ -66,11 +66,16 @@ class Dataflow:
         """Called by the builder once the operator's logic is installed."""
         self._unbuilt.discard(op.index)
 
-    def allocate_channel(self, target: InputPort) -> tuple[list[Any], Any]:
-        """Allocate a worker-to-worker channel delivering into ``target``."""
+    def allocate_channel(self, target: InputPort, decoder: Callable[[Any], Any] | None = None
+                         ) -> tuple[list[Any], Any]:
+        """Allocate a worker-to-worker channel delivering into ``target``.
+
+        Received messages must be ``(time, batch)``; with ``decoder``, ``decoder(puller)`` is read
+        instead of the puller, and turns the messages the channel sent into that shape.
+        """
         channel = self.worker.new_channel()
         pushers, puller = self.worker.allocate(channel)
-        self._pullers[channel] = (puller, target)
+        self._pullers[channel] = (puller if decoder is None else decoder(puller), target)
         return pushers, puller
 
     def connect(self, stream: Stream, port: InputPort, pact: Pact) -> None:

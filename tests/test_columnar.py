@@ -1,0 +1,211 @@
+"""Columnar operators against row-by-row oracles, on 1-3 workers and under the schedule fuzzer."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import timely
+from timely import columnar, routing
+from timely.testing import run_epochs
+
+SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string()), ("v", pa.float64())])
+SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+rows = st.tuples(st.one_of(st.none(), st.integers(-5, 5), st.integers(-2**63, 2**63 - 1)),
+                 st.one_of(st.none(), st.sampled_from(["a", "b", "ü", "", "long" * 20])),
+                 st.one_of(st.none(), st.floats(-1e6, 1e6, allow_nan=False)))
+# epochs of batches of rows; a batch may be empty
+epochs_st = st.lists(st.lists(st.lists(rows, max_size=30), max_size=4), min_size=1, max_size=3)
+
+
+def as_batches(epochs: list, schema: pa.Schema = SCHEMA, dictionary: bool = False) -> list[list[pa.RecordBatch]]:
+    out = []
+    for epoch in epochs:
+        batches = []
+        for rs in epoch:
+            b = pa.RecordBatch.from_pylist([dict(zip(schema.names, r)) for r in rs], schema=schema)
+            if dictionary:
+                b = b.set_column(1, "s", pc.dictionary_encode(b.column("s")))
+            batches.append(b)
+        out.append(batches)
+    return out
+
+
+def oracle_rows(epochs: list, f=lambda r: [r]) -> list[tuple[int, list]]:
+    got = []
+    for e, epoch in enumerate(epochs):
+        out = [x for rs in epoch for r in rs for x in f(r)]
+        if out:
+            got.append((e, sorted(out, key=repr)))
+    return got
+
+
+def resort(result: list) -> list:
+    return [(t, sorted(rs, key=repr)) for t, rs in result if rs]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+@SETTINGS
+@given(epochs=epochs_st)
+def test_select_filter_map_columns_match_rows(workers: int, epochs: list) -> None:
+    def build(s: timely.Stream) -> timely.Stream:
+        return (columnar.from_batches(s, SCHEMA)
+                .filter(pc.field("k") > 0)
+                .select("s", "k", double=pc.field("v") * 2)
+                .map_columns(lambda b: {"k": b.column("k"), "n": pc.utf8_length(b.column("s"))})
+                .to_rows())
+
+    def want(r: tuple) -> list:
+        k, s, _v = r
+        return [(k, None if s is None else len(s))] if k is not None and k > 0 else []
+
+    assert resort(run_epochs(build, as_batches(epochs), workers)) == oracle_rows(epochs, want)
+
+
+def python_aggregate(epochs: list) -> list[tuple[int, list]]:
+    out = []
+    for e, epoch in enumerate(epochs):
+        groups: dict = defaultdict(list)
+        for rs in epoch:
+            for k, s, v in rs:
+                groups[(k, s)].append(v)
+        res = []
+        for (k, s), vs in groups.items():
+            vals = [v for v in vs if v is not None]
+            res.append((k, s, len(vals), sum(vals) if vals else None, min(vals) if vals else None,
+                        max(vals) if vals else None, sum(vals) / len(vals) if vals else None))
+        if res:
+            out.append((e, sorted(res, key=repr)))
+    return out
+
+
+def close(a: list, b: list) -> bool:
+    if len(a) != len(b):
+        return False
+    for (ta, ra), (tb, rb) in zip(a, b):
+        if ta != tb or len(ra) != len(rb):
+            return False
+        for x, y in zip(ra, rb):
+            for u, w in zip(x, y):
+                if isinstance(u, float) and isinstance(w, float):
+                    if not math.isclose(u, w, rel_tol=1e-9, abs_tol=1e-6):
+                        return False
+                elif u != w:
+                    return False
+    return True
+
+
+@pytest.mark.parametrize("workers,dictionary,fuzz", [(1, False, None), (2, True, None), (3, False, None),
+                                                      (2, False, 7)])
+@SETTINGS
+@given(epochs=epochs_st)
+def test_aggregate_by_matches_python(workers: int, dictionary: bool, fuzz: int | None, epochs: list) -> None:
+    def build(s: timely.Stream) -> timely.Stream:
+        return (columnar.from_batches(s, None)
+                .aggregate_by(["k", "s"], {"v": ["count", "sum", "min", "max", "mean"]})
+                .to_rows())
+
+    got = resort(run_epochs(build, as_batches(epochs, dictionary=dictionary), workers, fuzz=fuzz))
+    assert close(got, python_aggregate(epochs)), (got, python_aggregate(epochs))
+
+
+def test_aggregate_output_schema_and_large_strings() -> None:
+    schema = pa.schema([("k", pa.large_string()), ("v", pa.int64())])
+    epochs = [[pa.RecordBatch.from_pydict({"k": ["x" * 1000, "y", "x" * 1000], "v": [1, 2, 3]}, schema=schema)]]
+    seen = []
+
+    def build(s: timely.Stream) -> timely.Stream:
+        agg = columnar.from_batches(s, schema).aggregate_by("k", {"v": ["sum", "count"]})
+        seen.append(agg.schema)
+        return agg.to_rows()
+
+    want = [(0, sorted([("x" * 1000, 4, 2), ("y", 2, 1)]))]
+    assert run_epochs(build, epochs, 2) == want
+    assert run_epochs(build, epochs, 1) == want  # built in this process: the schema is seen here
+    assert seen[0].names == ["k", "v_sum", "v_count"]
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_exchange_by_lands_where_the_row_exchange_does(workers: int) -> None:
+    schema = pa.schema([("k", pa.string()), ("n", pa.int64())])
+    keys = [f"key{i}" for i in range(200)] + ["", "ü"]
+    batch = pa.RecordBatch.from_pydict({"k": keys, "n": list(range(len(keys)))}, schema=schema)
+
+    def main(worker: timely.Worker) -> list:
+        got: list = []
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            (columnar.from_batches(inp.stream, schema).exchange_by("k").to_rows()
+             .inspect(lambda r: got.append((worker.index, r))))
+        if worker.index == 0:
+            inp.send(batch)
+        inp.close()
+        worker.step_while(worker.has_dataflows, timeout=30)
+        return got
+
+    placed = sorted(x for part in timely.execute(main, workers=workers, timeout=60) for x in part)
+    assert placed == sorted((routing.hash64(k) % workers, (k, n)) for n, k in enumerate(keys))
+
+
+def test_rows_round_trip_and_record_batches_inside_records() -> None:
+    schema = pa.schema([("a", pa.int32()), ("b", pa.string())])
+    data = [[(1, "x"), (2, None)], [(3, "z")]]
+
+    def build(s: timely.Stream) -> timely.Stream:
+        cols = columnar.from_rows(s, schema)
+        # A batch inside an ordinary record crosses workers as Arrow IPC (a msgpack extension).
+        return (cols.stream.map(lambda b: (b.num_rows % 2, b)).exchange(0)
+                .flat_map(lambda kb: columnar.rows_of(kb[1])))
+
+    assert run_epochs(build, data, 2) == [(0, [(1, "x"), (2, None)]), (1, [(3, "z")])]
+
+
+def test_schema_mismatch_names_operator_and_column() -> None:
+    bad = pa.RecordBatch.from_pydict({"k": pa.array([1], pa.int32()), "s": ["a"], "v": [1.0]})
+    with pytest.raises(timely.WorkerError, match=r"'Checked'.*column 'k' is int32, expected int64"):
+        run_epochs(lambda s: columnar.from_batches(s, SCHEMA, name="Checked").to_rows(), [[bad]], 2)
+
+
+def test_missing_and_unsupported_key_columns() -> None:
+    with pytest.raises(timely.BuildError, match="no column 'nope'"):
+        run_epochs(lambda s: columnar.from_batches(s, SCHEMA).exchange_by("nope").to_rows(), [[]], 1)
+    schema = pa.schema([("l", pa.list_(pa.int64()))])
+    b = pa.RecordBatch.from_pydict({"l": [[1]]}, schema=schema)
+    for workers in (1, 2):
+        with pytest.raises((timely.WorkerError, timely.OperatorError), match=r"'ByList'.*'l'"):
+            run_epochs(lambda s: columnar.from_batches(s, schema).exchange_by("l", name="ByList").to_rows(),
+                       [[b]], workers)
+
+
+def test_aggregate_validation_at_build() -> None:
+    with pytest.raises(timely.BuildError, match="'s'.*sum|sum.*'s'"):
+        run_epochs(lambda s: columnar.from_batches(s, SCHEMA).aggregate_by("k", {"s": "sum"}).to_rows(), [[]], 1)
+    with pytest.raises(timely.BuildError, match="median"):
+        run_epochs(lambda s: columnar.from_batches(s, SCHEMA).aggregate_by("k", {"v": "median"}).to_rows(), [[]], 1)
+
+
+def test_from_rows_names_the_bad_row() -> None:
+    schema = pa.schema([("a", pa.int64())])
+    with pytest.raises(timely.OperatorError, match=r"'Rows'.*row \('x',\): column 'a'"):
+        run_epochs(lambda s: columnar.from_rows(s, schema, name="Rows").to_rows(), [[(1,), ("x",)]], 1)
+
+
+def test_batches_larger_than_a_message_are_sliced() -> None:
+    from timely.columnar import channels
+
+    schema = pa.schema([("k", pa.int64()), ("pad", pa.binary())])
+    n = 3000
+    b = pa.RecordBatch.from_pydict({"k": list(range(n)), "pad": [b"x" * 4000] * n}, schema=schema)  # 12 MB
+
+    def build(s: timely.Stream) -> timely.Stream:
+        return (columnar.from_batches(s, schema).exchange_by("k")
+                .map_columns(lambda x: {"k": x.column("k")}).to_rows())
+
+    assert channels.GATHER_BYTES < b.nbytes
+    assert run_epochs(build, [[b]], 2) == [(0, [(k,) for k in range(n)])]

@@ -1,0 +1,205 @@
+"""Pacts for streams of record batches: rows routed by key, buffers sent without copies.
+
+A columnar channel splits each ``pyarrow.RecordBatch`` it is given into one part per worker
+(``RecordBatch.take`` of that worker's rows), delivers this worker's part at once, and gathers the
+parts for each other worker per time. It sends them as one message of Arrow buffers
+(:mod:`timely.columnar.codec`, the comm layer's ``push_buffers``: each buffer one ZeroMQ frame, no
+msgpack, no copy) once they reach :data:`GATHER_BYTES`, when parts of another time arrive for that
+worker, or when the dataflow flushes the channel with its progress.
+
+Counting (ARCHITECTURE.md section 2.9): a record of these streams is a whole batch. ``push``
+returns the number of non-empty parts it made, and the receivers consume exactly those parts:
+a message carries its parts as separate batches, never merged (parts without rows are dropped
+before they are counted).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from ..dataflow.channels import Channel, Pact, PipelineChannel
+from . import codec, kernels
+
+#: Bytes of parts gathered for one other worker before they are sent (the message size limit
+#: permitting): messages of hundreds of kilobytes keep per-message costs negligible per row.
+GATHER_BYTES = 1 << 20
+#: Bytes a message may take beyond its buffers (its msgpack head: time, schema, buffer shapes).
+_SLACK = 64 << 10
+
+Partitioner = Callable[[Any, list, int], list]
+
+
+class ColumnExchange(Pact):
+    """Rows go to the worker chosen by the 64-bit hash of their key column(s): the same worker the
+    row path's ``Exchange`` picks for the same key (``hash64`` of the value, or of the tuple of
+    values for several columns)."""
+
+    def __init__(self, columns: str | Sequence[str]) -> None:
+        self.columns = [columns] if isinstance(columns, str) else list(columns)
+        if not self.columns or not all(isinstance(c, str) for c in self.columns):
+            raise TypeError(f"exchange columns must be column names, not {columns!r}")
+
+    def channel(self, df: Any, target: Any) -> Channel:
+        # One worker: nothing to route, but the key columns are still checked.
+        return _CheckedPipeline(target, self.columns) if df.peers == 1 else self.remote(df, target)
+
+    def remote(self, df: Any, target: Any) -> Channel:
+        columns = self.columns
+        key = columns[0] if len(columns) == 1 else columns
+
+        def partition(time: Any, batches: list, peers: int) -> list:
+            parts: list[list] = [[] for _ in range(peers)]
+            for batch in batches:
+                rows = kernels.worker_parts(kernels.hash_columns(batch, key), peers)
+                for w, idx in enumerate(rows):
+                    if len(idx) == batch.num_rows:
+                        parts[w].append(batch)  # all of it: no copy
+                    elif len(idx):
+                        parts[w].append(batch.take(idx))
+            return parts
+
+        return ColumnChannel(df, target, partition)
+
+    def __repr__(self) -> str:
+        return f"ColumnExchange({self.columns!r})"
+
+
+class ColumnDistribute(Pact):
+    """Batches (or parts of them) go where ``partitioner(time, batches, peers)`` says: it returns,
+    per worker, a list of record batches; together they must hold every row once."""
+
+    def __init__(self, partitioner: Partitioner) -> None:
+        self.partitioner = partitioner
+
+    def remote(self, df: Any, target: Any) -> Channel:
+        return ColumnChannel(df, target, self.partitioner)
+
+    def __repr__(self) -> str:
+        return "ColumnDistribute"
+
+
+class _CheckedPipeline(PipelineChannel):
+    """The one-worker form of :class:`ColumnExchange`: batches stay, their key columns are checked
+    as the routed form would (so a job fails the same way on 1 worker as on many)."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self, target: Any, columns: list[str]) -> None:
+        super().__init__(target)
+        self.columns = columns
+
+    def push(self, time: Any, batch: Sequence) -> int:
+        for b in batch:
+            try:
+                kernels.hash_columns(b.slice(0, 0), self.columns)
+            except (KeyError, TypeError) as e:  # a missing or unhashable column
+                raise type(e)(f"operator '{self.target.op.name}': cannot route a batch at time {time!r}: {e}") from e
+        return super().push(time, batch)
+
+
+class _Decoder:
+    """A puller whose messages ``((time, meta), buffers)`` come out as ``(time, batches)``."""
+
+    __slots__ = ("_pull",)
+
+    def __init__(self, puller: Any) -> None:
+        self._pull = puller.pull
+
+    def pull(self) -> tuple[Any, list] | None:
+        msg = self._pull()
+        if msg is None:
+            return None
+        (time, meta), buffers = msg
+        return time, codec.decode(meta, buffers)
+
+
+class ColumnChannel(Channel):
+    """The sending end of a columnar edge that crosses workers (see the module docstring)."""
+
+    def __init__(self, df: Any, target: Any, partitioner: Partitioner) -> None:
+        self.target = target
+        self.index = df.index
+        self.peers = df.peers
+        self.op_name = target.op.name
+        self.partitioner = partitioner
+        self.pushers, _ = df.allocate_channel(target, _Decoder)
+        limit = self.pushers[(self.index + 1) % self.peers].max_bytes
+        self._max_body = max(1, limit - _SLACK) if limit is not None else float("inf")
+        self._gather = min(GATHER_BYTES, self._max_body)
+        self._pending: list[Channel] = df.ctx.pending
+        self._parts: list[list | None] = [None] * df.peers  # per worker: the parts gathered for it
+        self._bytes = [0] * df.peers
+        self._times: list[Any] = [None] * df.peers
+        self._flagged = False  # listed in ``_pending``
+
+    def push(self, time: Any, batch: Sequence) -> int:
+        batches = batch if type(batch) is list else list(batch)
+        try:
+            parts = self.partitioner(time, batches, self.peers)
+        except (KeyError, TypeError, ValueError) as e:
+            raise type(e)(f"operator '{self.op_name}': cannot route a batch at time {time!r}: {e}") from e
+        if len(parts) != self.peers:
+            raise ValueError(f"operator '{self.op_name}': partitioner returned {len(parts)} lists for "
+                             f"{self.peers} workers")
+        rows_in = sum(b.num_rows for b in batches)
+        count = rows = 0
+        for w, part in enumerate(parts):
+            part = [b for b in part if b.num_rows]
+            if not part:
+                continue
+            if w != self.index:
+                part = [piece for b in part for piece in self._fit(time, b)]
+            count += len(part)
+            rows += sum(b.num_rows for b in part)
+            if w == self.index:
+                self.target.deliver(time, part)  # the local share skips the transport
+            else:
+                for b in part:
+                    self._add(w, time, b)
+        if rows != rows_in:
+            raise ValueError(f"operator '{self.op_name}': partitioner must place each of {rows_in} rows "
+                             f"once, placed {rows}")
+        return count
+
+    def _fit(self, time: Any, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
+        """``batch`` in slices small enough for one message each (counted before they are sent)."""
+        if batch.nbytes <= self._max_body:
+            return [batch]
+        if batch.num_rows == 1:
+            raise ValueError(f"operator '{self.op_name}': a row at time {time!r} is {batch.nbytes:,} bytes, "
+                             f"more than one message may carry (max_message_bytes)")
+        half = batch.num_rows // 2
+        return self._fit(time, batch.slice(0, half)) + self._fit(time, batch.slice(half))
+
+    def _add(self, worker: int, time: Any, batch: pa.RecordBatch) -> None:
+        size = batch.nbytes
+        parts = self._parts[worker]
+        if parts is not None and (self._times[worker] != time or self._bytes[worker] + size > self._max_body):
+            self._ship(worker)
+            parts = None
+        if parts is None:
+            parts = self._parts[worker] = []
+            self._times[worker] = time
+            if not self._flagged:
+                self._flagged = True
+                self._pending.append(self)
+        parts.append(batch)
+        self._bytes[worker] += size
+        if self._bytes[worker] >= self._gather:
+            self._ship(worker)
+
+    def flush(self) -> None:
+        """Send every gathered part."""
+        self._flagged = False
+        for worker, parts in enumerate(self._parts):
+            if parts is not None:
+                self._ship(worker)
+
+    def _ship(self, worker: int) -> None:
+        parts = self._parts[worker]
+        self._parts[worker] = None
+        self._bytes[worker] = 0
+        meta, buffers = codec.encode(parts)  # type: ignore[arg-type]
+        self.pushers[worker].push_buffers((self._times[worker], meta), buffers)

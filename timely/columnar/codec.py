@@ -1,0 +1,154 @@
+"""Record batches as a small msgpack head plus their Arrow buffers, for the wire.
+
+:func:`encode` turns a list of ``pyarrow.RecordBatch`` objects of one schema into ``(meta,
+buffers)``: ``meta`` is a small msgpack-able tuple (the schema, once, and per batch its length and
+per column the shape of its buffers) and ``buffers`` are the columns' own Arrow buffers, which the
+transport sends as ZeroMQ frames without copying them. :func:`decode` rebuilds the batches over the
+received frames, again without copying (``pyarrow.Array.from_buffers``; only a frame that ZeroMQ
+left unaligned, which happens to small ones, is copied).
+
+The zero-copy form covers the flat types (numbers, booleans, temporal types, decimals, utf8 and
+binary in their small and large forms) and dictionary arrays of them. A batch with any other
+column (lists, structs, view types, extension types), or whose buffers are much larger than its
+rows need (a slice of a larger batch), goes as one Arrow IPC stream instead: one copy, which also
+compacts the slice.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.types as pt
+
+#: A batch whose buffers exceed twice its rows' bytes by more than this is compacted (IPC).
+_SLACK_BYTES = 4096
+
+_FLAT, _DICT = 0, 1  # column forms in the meta
+_ZERO_COPY, _IPC = 0, 1  # batch forms in the meta
+
+_schema_bytes: dict[pa.Schema, bytes] = {}
+_schemas: dict[bytes, pa.Schema] = {}
+
+
+def _is_flat(t: pa.DataType) -> bool:
+    """True for a type whose arrays are a fixed list of buffers and no children."""
+    return (t.num_fields == 0 and not isinstance(t, pa.ExtensionType) and not pt.is_dictionary(t)
+            and not pt.is_string_view(t) and not pt.is_binary_view(t))
+
+
+def _zero_copy(t: pa.DataType) -> bool:
+    if pt.is_dictionary(t):
+        return _is_flat(t.index_type) and _is_flat(t.value_type)
+    return _is_flat(t)
+
+
+def _flat(arr: pa.Array, buffers: list) -> tuple:
+    """Append ``arr``'s buffers; return its meta ``(form, length, null_count, offset, present)``,
+    ``present`` a bit mask of the buffers that exist (a validity bitmap may be absent)."""
+    present = 0
+    for i, buf in enumerate(arr.buffers()):
+        if buf is not None:
+            present |= 1 << i
+            buffers.append(buf)
+    return (_FLAT, len(arr), arr.null_count, arr.offset, present)
+
+
+def _column(arr: pa.Array, buffers: list) -> tuple:
+    if pt.is_dictionary(arr.type):
+        return (_DICT, _flat(arr.indices, buffers), _flat(arr.dictionary, buffers))
+    return _flat(arr, buffers)
+
+
+def _schema_to_bytes(schema: pa.Schema) -> bytes:
+    b = _schema_bytes.get(schema)
+    if b is None:
+        if len(_schema_bytes) > 256:
+            _schema_bytes.clear()
+        b = _schema_bytes[schema] = schema.serialize().to_pybytes()
+    return b
+
+
+def _ipc(batch: pa.RecordBatch) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue()
+
+
+def encode(batches: Sequence[pa.RecordBatch]) -> tuple[tuple, list]:
+    """``(meta, buffers)`` for ``batches`` (one schema, at least one batch); see the module doc."""
+    schema = batches[0].schema
+    buffers: list = []
+    metas: list[tuple] = []
+    # A batch without columns goes as IPC, which keeps its row count.
+    flat = len(schema) > 0 and all(_zero_copy(f.type) for f in schema)
+    for batch in batches:
+        if flat and batch.get_total_buffer_size() <= 2 * batch.nbytes + _SLACK_BYTES:
+            metas.append((_ZERO_COPY, batch.num_rows, [_column(c, buffers) for c in batch.columns]))
+        else:
+            buffers.append(_ipc(batch))
+            metas.append((_IPC,))
+    return (_schema_to_bytes(schema), metas), buffers
+
+
+def _schema_from_bytes(b: bytes) -> pa.Schema:
+    schema = _schemas.get(b)
+    if schema is None:
+        if len(_schemas) > 256:
+            _schemas.clear()
+        schema = _schemas[b] = pa.ipc.read_schema(pa.py_buffer(b))
+    return schema
+
+
+def _aligned(frame: Any) -> pa.Buffer:
+    """``frame`` as an Arrow buffer, copied only when it is not 8-byte aligned (ZeroMQ places
+    small frames anywhere in its receive buffer; Arrow's kernels assume aligned values)."""
+    buf = pa.py_buffer(frame)
+    return buf if buf.address % 8 == 0 else pa.py_buffer(bytes(frame))
+
+
+def _rebuild(t: pa.DataType, meta: tuple, frames: Any) -> pa.Array:
+    form, length, null_count, offset, present = meta
+    bufs = [_aligned(next(frames)) if present >> i & 1 else None for i in range(t.num_buffers)]
+    return pa.Array.from_buffers(t, length, bufs, null_count, offset)
+
+
+def decode(meta: tuple, buffers: Sequence[Any]) -> list[pa.RecordBatch]:
+    """The batches :func:`encode` described by ``meta``, over ``buffers`` (no copy)."""
+    schema_bytes, metas = meta
+    schema = _schema_from_bytes(schema_bytes)
+    frames = iter(buffers)
+    out = []
+    for m in metas:
+        if m[0] == _IPC:
+            with pa.ipc.open_stream(pa.py_buffer(next(frames))) as reader:
+                out.append(reader.read_next_batch())
+            continue
+        columns = []
+        for field, col in zip(schema, m[2]):
+            t = field.type
+            if col[0] == _DICT:
+                indices = _rebuild(t.index_type, col[1], frames)
+                dictionary = _rebuild(t.value_type, col[2], frames)
+                columns.append(pa.DictionaryArray.from_arrays(indices, dictionary, ordered=t.ordered))
+            else:
+                columns.append(_rebuild(t, col, frames))
+        out.append(pa.RecordBatch.from_arrays(columns, schema=schema))
+    return out
+
+
+def nbytes(buffers: Sequence[Any]) -> int:
+    """The bytes ``buffers`` take on the wire."""
+    return sum(b.size if isinstance(b, pa.Buffer) else memoryview(b).nbytes for b in buffers)
+
+
+def to_ipc(batch: pa.RecordBatch) -> bytes:
+    """``batch`` as one Arrow IPC stream (schema, dictionaries, batch): the msgpack extension form."""
+    return _ipc(batch).to_pybytes()
+
+
+def from_ipc(data: bytes) -> pa.RecordBatch:
+    """The batch of :func:`to_ipc` (over ``data``, without copying it)."""
+    with pa.ipc.open_stream(pa.py_buffer(data)) as reader:
+        return reader.read_next_batch()
