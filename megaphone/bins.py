@@ -2,8 +2,11 @@
 the migration log (Python objects in one process, as the paper's shared pointer)."""
 from __future__ import annotations
 
+import pickle
 from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Sequence
+from itertools import islice
 from typing import Any
 
 from timely import Activator, TimelyError
@@ -31,20 +34,77 @@ class BinState(dict):
 
 
 class Bin:
-    """One bin on its current owner: user ``state`` (a :class:`BinState`) and pending ``timers``."""
+    """One bin on its current owner: its ``state`` (made, shipped and installed by the operator's
+    :class:`StateCodec`) and pending ``timers``."""
 
     __slots__ = ("state", "timers")
 
-    def __init__(self) -> None:
-        self.state: dict = BinState()
+    def __init__(self, state: Any) -> None:
+        self.state = state
         self.timers: list[tuple[Any, int, Any]] = []  # heap of (time, sequence, payload)
+
+
+class StateCodec:
+    """How the state of a bin is made, cut into bounded chunks, shipped and installed.
+
+    This one is the row operators': a :class:`BinState` dict, shipped in chunks of at most ``chunk``
+    entries, each pickled with the bin's timers as one ``bytes`` payload (the fastest form to write
+    and read back). :class:`megaphone.columns.ColumnCodec` ships Arrow record batches instead.
+    A payload is whatever the state records may carry (bytes, or msgpack-able values).
+    """
+
+    def empty(self) -> Any:
+        """The state of a bin that holds nothing yet."""
+        return BinState()
+
+    def size(self, part: Any) -> int:
+        """Entries in a state or chunk (for the migration events)."""
+        return len(part)
+
+    def chunks(self, state: Any, chunk: int) -> list[Any]:
+        """``state`` in parts of at most ``chunk`` entries: at least one part, even when empty (the
+        first carries the timers and makes the receiver hold the bin)."""
+        if len(state) <= chunk:
+            return [dict(state)]
+        it = iter(state.items())
+        return [dict(islice(it, chunk)) for _ in range(0, len(state), chunk)]
+
+    def pack(self, part: Any, timers: list) -> Any:
+        """One chunk and ``timers`` (``(time, payload)`` pairs) as a state record's payload."""
+        return pickle.dumps((part, timers), protocol=5)
+
+    def unpack(self, payload: Any) -> tuple[Any, list]:
+        """The ``(part, timers)`` of a payload of :meth:`pack`."""
+        part, timers = pickle.loads(payload)
+        return part, timers
+
+    def nbytes(self, payload: Any) -> int:
+        """Bytes of a payload (for the migration events)."""
+        return len(payload)
+
+    def install(self, state: Any, part: Any) -> Any:
+        """``state`` with the chunk ``part`` added (a bin's chunks arrive one by one)."""
+        state.update(part)
+        return state
+
+    def merged(self, states: Sequence[Any]) -> Any:
+        """The states of several bins as one (:meth:`megaphone.Migratable.state`)."""
+        merged: dict = {}
+        for state in states:
+            merged.update(state)
+        return merged
+
+
+#: The codec of the row operators (``unary``, ``binary``, ``state_machine``).
+ROWS = StateCodec()
 
 
 class Shared:
     """What F and S of one worker share: bins, the configuration history, and the migration log."""
 
-    def __init__(self, name: str, k: int, index: int, peers: int) -> None:
+    def __init__(self, name: str, k: int, index: int, peers: int, codec: StateCodec = ROWS) -> None:
         self.name = name
+        self.codec = codec
         self.k = k
         self.nbins = 1 << k
         self.index = index
@@ -54,7 +114,7 @@ class Shared:
         # from the beginning of time.
         self.config_times: list[Any] = [0]
         self.config_tables: list[Table] = [table]
-        self.bins: list[Bin | None] = [Bin() if w == index else None for w in table]
+        self.bins: list[Bin | None] = [Bin(codec.empty()) if w == index else None for w in table]
         self.timer_bins: dict[Any, set[int]] = defaultdict(set)  # time -> bins with a timer then
         self.events: list[dict] = []
         self.s_activator: Activator | None = None  # schedules S (set when S is built)

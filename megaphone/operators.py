@@ -22,16 +22,17 @@ from timely import (
     Capability,
     Distribute,
     OperatorBuilder,
+    Pact,
     ProbeHandle,
     Stream,
     Summary,
     routing,
 )
 
-from .bins import MegaphoneError, Shared
+from .bins import ROWS, MegaphoneError, Shared, StateCodec
 from .control import ControlInput
 from .route import RoutingOperator
-from .state import PerRecord, StateOperator
+from .state import PerTime, StateOperator, per_record_time
 from .table import Table, TableError, validate_k
 
 DEFAULT_CHUNK = 1 << 15  # state entries per state message: large bins move in bounded chunks
@@ -62,22 +63,39 @@ class Migratable:
         "bytes", "seconds", ...}``."""
         return self._shared.events
 
-    def state(self) -> dict:
-        """The state of every bin this worker holds, merged into one dict (for ``state_machine``:
-        key -> state). Read it between steps; it changes as the dataflow runs and bins move."""
-        merged: dict = {}
-        for bin_ in self._shared.bins:
-            if bin_ is not None:
-                merged.update(bin_.state)
-        return merged
+    def state(self) -> Any:
+        """The state of every bin this worker holds, merged into one: a dict for the row operators
+        (for ``state_machine``: key -> state), a ``pyarrow.Table`` for :func:`megaphone.aggregate`.
+        Read it between steps; it changes as the dataflow runs and bins move."""
+        return self._shared.codec.merged([b.state for b in self._shared.bins if b is not None])
 
     def owned_bins(self) -> list[int]:
         """The bins currently held by this worker."""
         return [b for b, x in enumerate(self._shared.bins) if x is not None]
 
 
-def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequence[Any], fold: Callable,
-           k: int | None, name: str, chunk: int, per_record: PerRecord | None = None) -> Migratable:
+RoutePact = Callable[[Any, Shared], Pact]  # (key, shared) -> the pact from F to S for one data input
+
+
+def _row_pact(key: Any, shared: Shared) -> Pact:
+    """Rows go to the worker that the routing table in force at their time gives their bin."""
+    k, name = shared.k, shared.name
+
+    def partition(time: Any, batch: Sequence, peers: int) -> list:
+        try:
+            return routing.route_bins(batch, key, k, shared.table_at(time), peers)[0]
+        except Exception as e:
+            raise MegaphoneError(f"'{name}': key function failed: {e}") from e
+
+    return Distribute(partition)
+
+
+def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequence[Any], fold: Callable | None,
+           k: int | None, name: str, chunk: int, per_time: PerTime | None = None, pact: RoutePact = _row_pact,
+           codec: StateCodec = ROWS) -> Migratable:
+    """F and S over ``streams`` (one key each): ``pact(key, shared)`` routes a data input from F to S
+    (by the table in force at each record's time), ``codec`` makes and ships the bins' state, and S
+    applies a complete time with ``per_time`` when it has no timers then, else per bin with ``fold``."""
     scope = streams[0].scope
     if scope.levels != 1:
         raise BuildError(f"'{name}': migratable operators need integer (top-level) timestamps")
@@ -88,9 +106,8 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
         k = validate_k(k)
     except TableError as e:
         raise TableError(f"'{name}': {e}") from None
-    keys = [_key_fn(key) for key in keys]
     n = len(streams)
-    shared = Shared(name, k, scope.index, scope.peers)
+    shared = Shared(name, k, scope.index, scope.peers, codec)
     probe = ProbeHandle()
     ident = Summary.identity(1)
 
@@ -111,17 +128,6 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
     fb.build(build_f)
 
     # S: inputs data_0..data_{n-1} (routed by the table at the record's time), state (by target).
-    def route_data(i: int) -> Callable:
-        key = keys[i]
-
-        def partition(time: Any, batch: Sequence, peers: int) -> list:
-            try:
-                return routing.route_bins(batch, key, k, shared.table_at(time), peers)[0]
-            except Exception as e:
-                raise MegaphoneError(f"'{name}': key function failed: {e}") from e
-
-        return partition
-
     def route_state(time: Any, batch: Sequence, peers: int) -> list:
         parts: list[list] = [[] for _ in range(peers)]
         for r in batch:
@@ -130,11 +136,11 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
 
     sb = OperatorBuilder(scope, name)
     s_out, s_stream = sb.new_output()
-    s_data = [sb.new_input(f_streams[i], Distribute(route_data(i))) for i in range(n)]
+    s_data = [sb.new_input(f_streams[i], pact(key, shared)) for i, key in enumerate(keys)]
     s_state = sb.new_input(f_streams[n], Distribute(route_state))
     sb.set_frontier_interest(True)
     shared.s_activator = sb.activator
-    s_op = StateOperator(shared, keys, fold, [i.frontier for i in s_data] + [s_state.frontier], per_record)
+    s_op = StateOperator(shared, keys, fold, [i.frontier for i in s_data] + [s_state.frontier], per_time)
 
     def build_s(caps: list[Capability]) -> Callable[[], None]:
         caps[0].drop()
@@ -156,7 +162,7 @@ def unary(stream: Stream, control: Any, key: Any, fold: Callable, k: int | None 
     iterable it returns is emitted at ``time``. ``key`` (field index, function or None) picks the
     routing key of a record; ``k`` gives the 2^k bins (default: the control input's).
     """
-    return _build([stream], control, [key], fold, k, name, chunk)
+    return _build([stream], control, [_key_fn(key)], fold, k, name, chunk)
 
 
 def binary(stream1: Stream, stream2: Stream, control: Any, key1: Any, key2: Any, fold: Callable,
@@ -165,7 +171,7 @@ def binary(stream1: Stream, stream2: Stream, control: Any, key1: Any, key2: Any,
 
     ``fold(time, records1, records2, timers, state, notificator)`` per bin and complete time.
     """
-    return _build([stream1, stream2], control, [key1, key2], fold, k, name, chunk)
+    return _build([stream1, stream2], control, [_key_fn(key1), _key_fn(key2)], fold, k, name, chunk)
 
 
 def state_machine(stream: Stream, control: Any, key: Any, fold: Callable, k: int | None = None,
@@ -195,4 +201,5 @@ def state_machine(stream: Stream, control: Any, key: Any, fold: Callable, k: int
             apply(state, record, out)
         return out
 
-    return _build([stream], control, [0 if key is None else key], logic, k, name, chunk, per_record=apply)
+    key = _key_fn(0 if key is None else key)
+    return _build([stream], control, [key], logic, k, name, chunk, per_time=per_record_time(key, apply))

@@ -7,9 +7,7 @@ before the migration time (5.4).
 """
 from __future__ import annotations
 
-import pickle
 import time as _time
-from itertools import islice
 from operator import itemgetter
 from typing import Any
 
@@ -100,21 +98,16 @@ class RoutingOperator:
         started = _time.perf_counter()
         moved = moved_bins(old, new, source=me)
         nbytes = entries = 0
+        codec = shared.codec
         for b in moved:
             bin_ = shared.take_bin(b)
-            state = bin_.state
             timers = [(tt, p) for tt, _, p in sorted(bin_.timers, key=itemgetter(0, 1))]
-            entries += len(state)
-            # Bounded chunks: one state message per chunk of at most `chunk` entries (pickled as
-            # dicts, the fastest form to write and read back); timers travel with the first.
-            if len(state) <= self.chunk:
-                chunks = [dict(state)]
-            else:
-                it = iter(state.items())
-                chunks = [dict(islice(it, self.chunk)) for _ in range(0, len(state), self.chunk)]
-            for i, part in enumerate(chunks):
-                payload = pickle.dumps((part, timers if i == 0 else []), protocol=5)
-                nbytes += len(payload)
+            entries += codec.size(bin_.state)
+            # Bounded chunks: one state message per chunk of at most `chunk` entries; the timers
+            # travel with the first.
+            for i, part in enumerate(codec.chunks(bin_.state, self.chunk)):
+                payload = codec.pack(part, timers if i == 0 else [])
+                nbytes += codec.nbytes(payload)
                 state_out.give_batch(cap, [(new[b], b, payload)])
         cap.drop()
         if moved and shared.s_activator is not None:

@@ -7,7 +7,6 @@ later record of the bin (5.4), and times are applied in order (5.5).
 from __future__ import annotations
 
 import heapq
-import pickle
 import time as _time
 from collections.abc import Callable, Sequence
 from itertools import count
@@ -18,6 +17,31 @@ from timely import Capability, Frontier, InputCapability, OperatorInput, Operato
 from .bins import Bin, MegaphoneError, Shared
 
 PerRecord = Callable[[dict, Any, list], None]  # (bin state, record, outputs): state_machine's fold
+#: Applies a whole complete time at once, for an operator without timers: ``(time, batches per
+#: input, shared) -> output records``, the bins being ``shared.bins`` (state_machine, columnar).
+PerTime = Callable[[Any, list[list], Shared], list]
+
+
+def per_record_time(key: Any, apply: PerRecord) -> PerTime:
+    """The :data:`PerTime` of ``state_machine``: each record of one input straight into its bin."""
+
+    def apply_time(t: Any, batches: list[list], shared: Shared) -> list:
+        bins_held = shared.bins
+        results: list = []
+        for batch in batches[0]:
+            try:
+                bins = routing.bins_of(batch, key, shared.k)
+            except Exception as e:
+                raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
+            for b, r in zip(bins, batch):
+                bin_ = bins_held[b]
+                if bin_ is None:
+                    shared.bin_for_record(b, t)  # raises: this worker does not hold the bin
+                    continue
+                apply(bin_.state, r, results)
+        return results
+
+    return apply_time
 
 
 class BinNotificator:
@@ -44,8 +68,8 @@ class BinNotificator:
 class StateOperator:
     """S: applies records at a time once every data input and the state input have passed it."""
 
-    def __init__(self, shared: Shared, keys: Sequence[Any], fold: Callable, frontiers: Sequence[Frontier],
-                 per_record: PerRecord | None = None) -> None:
+    def __init__(self, shared: Shared, keys: Sequence[Any], fold: Callable | None, frontiers: Sequence[Frontier],
+                 per_time: PerTime | None = None) -> None:
         self.shared = shared
         self.keys = keys
         self.fold = fold
@@ -56,7 +80,7 @@ class StateOperator:
         self.timer_heap: list[Any] = []  # times with timers (lazy: checked against timer_bins)
         self.pending_heap: list[Any] = []  # times with pending data (lazy: checked against pending)
         self.seq = count()
-        self.per_record = per_record  # state_machine's fast path: one input, no timers
+        self.per_time = per_time  # the fast path of operators without timers (state_machine, columnar)
 
     def hold(self, time: Any, cap: Capability | InputCapability) -> None:
         """Keep a capability at ``time`` on the output (once per time)."""
@@ -84,15 +108,16 @@ class StateOperator:
             started = _time.perf_counter()
             nbytes = entries = 0
             bins = set()
+            codec = shared.codec
             for _, b, payload in batch:
-                data, timers = pickle.loads(payload)
-                nbytes += len(payload)
-                entries += len(data)
+                part, timers = codec.unpack(payload)
+                nbytes += codec.nbytes(payload)
+                entries += codec.size(part)
                 bins.add(b)
                 bin_ = shared.bins[b]
                 if bin_ is None:
-                    bin_ = shared.bins[b] = Bin()
-                bin_.state.update(data)  # into the BinState (pickled as a plain dict: faster both ways)
+                    bin_ = shared.bins[b] = Bin(codec.empty())
+                bin_.state = codec.install(bin_.state, part)
                 for t, p in timers:
                     self.add_timer(b, bin_, t, p, cap)
             shared.events.append({"kind": "install", "time": cap.time, "bins": sorted(bins), "entries": entries,
@@ -126,29 +151,6 @@ class StateOperator:
             if t in self.caps and t not in self.pending and t not in shared.timer_bins:
                 self.caps.pop(t).drop()
 
-    def _apply_records(self, t: Any, out: OperatorOutput) -> None:
-        """Fast path (``state_machine``: one input, no timers): each record straight into its bin."""
-        shared = self.shared
-        bins_held = shared.bins
-        apply = self.per_record
-        assert apply is not None
-        results: list = []
-        for batch in self.pending.pop(t)[0]:
-            try:
-                bins = routing.bins_of(batch, self.keys[0], shared.k)
-            except Exception as e:
-                raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
-            for b, r in zip(bins, batch):
-                bin_ = bins_held[b]
-                if bin_ is None:
-                    raise MegaphoneError(
-                        f"'{shared.name}': records of bin {b} at time {t!r} reached worker {shared.index}, which "
-                        "does not hold the bin (routing invariant violated)"
-                    )
-                apply(bin_.state, r, results)
-        if results:
-            out.give_batch(self.caps[t], results)
-
     def _next_time(self) -> Any:
         heap = self.timer_heap
         while heap and heap[0] not in self.shared.timer_bins:
@@ -163,9 +165,12 @@ class StateOperator:
     def _apply(self, t: Any, out: OperatorOutput) -> None:
         shared = self.shared
         n = self.n
-        if self.per_record is not None and t not in shared.timer_bins:
-            self._apply_records(t, out)
+        if self.per_time is not None and t not in shared.timer_bins:
+            results = self.per_time(t, self.pending.pop(t), shared)
+            if results:
+                out.give_batch(self.caps[t], results)
             return
+        assert self.fold is not None, "an operator without a fold has no timers"
         groups: dict[int, list[list]] = {}
         for i, batches in enumerate(self.pending.pop(t, [[]] * n)):
             for batch in batches:

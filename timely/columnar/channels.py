@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from ..dataflow.channels import Channel, Pact, PipelineChannel
@@ -52,12 +53,17 @@ class ColumnExchange(Pact):
         def partition(time: Any, batches: list, peers: int) -> list:
             parts: list[list] = [[] for _ in range(peers)]
             for batch in batches:
-                rows = kernels.worker_parts(kernels.hash_columns(batch, key), peers)
-                for w, idx in enumerate(rows):
-                    if len(idx) == batch.num_rows:
-                        parts[w].append(batch)  # all of it: no copy
-                    elif len(idx):
-                        parts[w].append(batch.take(idx))
+                n = batch.num_rows
+                order, starts = kernels.worker_order(kernels.hash_columns(batch, key), peers)
+                sizes = np.diff(starts)
+                if n and sizes.max() == n:  # all of it to one worker: no copy
+                    parts[int(sizes.argmax())].append(batch)
+                    continue
+                # One gather for all workers; each worker's part is a slice of it (the codec sends
+                # only the slice's bytes).
+                grouped = batch.take(order)
+                for w in np.flatnonzero(sizes).tolist():
+                    parts[w].append(grouped.slice(int(starts[w]), int(sizes[w])))
             return parts
 
         return ColumnChannel(df, target, partition)

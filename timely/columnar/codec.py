@@ -8,20 +8,22 @@ received frames, again without copying (``pyarrow.Array.from_buffers``; only a f
 left unaligned, which happens to small ones, is copied).
 
 The zero-copy form covers the flat types (numbers, booleans, temporal types, decimals, utf8 and
-binary in their small and large forms) and dictionary arrays of them. A batch with any other
-column (lists, structs, view types, extension types), or whose buffers are much larger than its
-rows need (a slice of a larger batch), goes as one Arrow IPC stream instead: one copy, which also
-compacts the slice.
+binary in their small and large forms) and dictionary arrays of them. A slice (a worker's part of a
+batch gathered once for all workers) sends only its rows' bytes: its buffers are cut, and only the
+offsets of a string slice that does not start at the parent's first byte are rewritten (a copy of
+4 or 8 bytes per row). A batch with any other column (lists, structs, view types, extension types)
+goes as one Arrow IPC stream instead: one copy.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.types as pt
 
-#: A batch whose buffers exceed twice its rows' bytes by more than this is compacted (IPC).
+#: A batch whose cut buffers still exceed its rows' bytes by more than this goes as IPC.
 _SLACK_BYTES = 4096
 
 _FLAT, _DICT = 0, 1  # column forms in the meta
@@ -43,15 +45,55 @@ def _zero_copy(t: pa.DataType) -> bool:
     return _is_flat(t)
 
 
+def _bit_width(t: pa.DataType) -> int | None:
+    """Bits per value of a fixed-width type (``None`` for variable-width and null types)."""
+    try:
+        return t.bit_width if t.num_buffers == 2 else None
+    except ValueError:
+        return None
+
+
+def _bits(buf: pa.Buffer | None, start: int, n: int) -> pa.Buffer | None:
+    """The bytes of a bitmap holding bits ``start .. start + n`` (``start`` a multiple of 8)."""
+    return None if buf is None else buf.slice(start // 8, (start % 8 + n + 7) // 8)
+
+
+def _flat_buffers(arr: pa.Array) -> tuple[list, int]:
+    """``arr``'s buffers cut to its rows where the type allows (a slice must not send its parent's
+    bytes), and the offset that then applies: the first row's offset modulo 8 (bitmaps cannot be
+    cut inside a byte)."""
+    bufs = arr.buffers()
+    offset, n = arr.offset, len(arr)
+    if offset == 0 and n == 0:
+        return bufs, 0
+    r = offset % 8
+    start = offset - r
+    width = _bit_width(arr.type)
+    if width is not None:  # validity, values
+        values = _bits(bufs[1], start, r + n) if width == 1 else \
+            bufs[1].slice(start * width // 8, (r + n) * width // 8)
+        return [_bits(bufs[0], start, r + n), values], r
+    if arr.type.num_buffers == 3:  # validity, offsets, data: the data cut to the rows' bytes
+        large = pt.is_large_string(arr.type) or pt.is_large_binary(arr.type)
+        offsets = np.frombuffer(bufs[1], np.int64 if large else np.int32)[start:offset + n + 1]
+        first, last = int(offsets[0]), int(offsets[-1])
+        data = None if bufs[2] is None else bufs[2].slice(first, last - first)
+        if first:
+            offsets = offsets - offsets.dtype.type(first)  # a copy of the offsets only
+        return [_bits(bufs[0], start, r + n), pa.py_buffer(offsets), data], r
+    return bufs, offset
+
+
 def _flat(arr: pa.Array, buffers: list) -> tuple:
     """Append ``arr``'s buffers; return its meta ``(form, length, null_count, offset, present)``,
     ``present`` a bit mask of the buffers that exist (a validity bitmap may be absent)."""
+    bufs, offset = _flat_buffers(arr)
     present = 0
-    for i, buf in enumerate(arr.buffers()):
+    for i, buf in enumerate(bufs):
         if buf is not None:
             present |= 1 << i
             buffers.append(buf)
-    return (_FLAT, len(arr), arr.null_count, arr.offset, present)
+    return (_FLAT, len(arr), arr.null_count, offset, present)
 
 
 def _column(arr: pa.Array, buffers: list) -> tuple:
@@ -84,11 +126,15 @@ def encode(batches: Sequence[pa.RecordBatch]) -> tuple[tuple, list]:
     # A batch without columns goes as IPC, which keeps its row count.
     flat = len(schema) > 0 and all(_zero_copy(f.type) for f in schema)
     for batch in batches:
-        if flat and batch.get_total_buffer_size() <= 2 * batch.nbytes + _SLACK_BYTES:
-            metas.append((_ZERO_COPY, batch.num_rows, [_column(c, buffers) for c in batch.columns]))
-        else:
-            buffers.append(_ipc(batch))
-            metas.append((_IPC,))
+        if flat:
+            mine: list = []
+            columns = [_column(c, mine) for c in batch.columns]
+            if sum(b.size for b in mine) <= batch.nbytes + _SLACK_BYTES:
+                buffers.extend(mine)
+                metas.append((_ZERO_COPY, batch.num_rows, columns))
+                continue
+        buffers.append(_ipc(batch))  # (not expected: a safety net should buffers exceed the rows)
+        metas.append((_IPC,))
     return (_schema_to_bytes(schema), metas), buffers
 
 

@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from timely._native import hashing as _native
 
-__all__ = ["Aggregation", "bins_of_hashes", "hash_array", "hash_columns", "worker_parts"]
+__all__ = ["Aggregation", "bins_of_hashes", "hash_array", "hash_columns", "worker_order", "worker_parts"]
 
 ArrayLike: TypeAlias = "pa.Array | pa.ChunkedArray"
 Columns: TypeAlias = "str | Sequence[str]"
@@ -134,13 +134,21 @@ def hash_columns(batch: pa.RecordBatch | pa.Table, columns: Columns) -> np.ndarr
     return out
 
 
-def worker_parts(hashes: np.ndarray, peers: int) -> list[np.ndarray]:
-    """Per worker ``w`` in ``range(peers)``, the ascending int64 row numbers ``i`` with
-    ``hashes[i] % peers == w`` (a counting sort in C; the arrays are views of one buffer)."""
+def worker_order(hashes: np.ndarray, peers: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, starts)``: the row numbers sorted by worker (``hashes[i] % peers``), stably, and
+    where each worker's rows begin: worker ``w``'s rows are ``order[starts[w]:starts[w + 1]]``
+    (a counting sort in C)."""
     h = np.ascontiguousarray(hashes, dtype=np.uint64)
     order = np.empty(len(h), np.int64)
     starts = np.empty(peers + 1, np.int64) if peers >= 1 else np.empty(0, np.int64)
     _native.worker_order(h, peers, order, starts)
+    return order, starts
+
+
+def worker_parts(hashes: np.ndarray, peers: int) -> list[np.ndarray]:
+    """Per worker ``w`` in ``range(peers)``, the ascending int64 row numbers ``i`` with
+    ``hashes[i] % peers == w`` (views of :func:`worker_order`'s one buffer)."""
+    order, starts = worker_order(hashes, peers)
     return [order[starts[w]:starts[w + 1]] for w in range(peers)]
 
 
