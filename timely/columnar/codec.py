@@ -79,7 +79,7 @@ def _flat_buffers(arr: pa.Array) -> tuple[list, int]:
         first, last = int(offsets[0]), int(offsets[-1])
         data = None if bufs[2] is None else bufs[2].slice(first, last - first)
         if first:
-            offsets = offsets - offsets.dtype.type(first)  # a copy of the offsets only
+            offsets = np.subtract(offsets, first, dtype=offsets.dtype)  # a copy of the offsets only
         return [_bits(bufs[0], start, r + n), pa.py_buffer(offsets), data], r
     return bufs, offset
 
