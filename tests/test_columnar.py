@@ -209,3 +209,32 @@ def test_batches_larger_than_a_message_are_sliced() -> None:
 
     assert channels.GATHER_BYTES < b.nbytes
     assert run_epochs(build, [[b]], 2) == [(0, [(k,) for k in range(n)])]
+
+
+def test_input_refuses_a_bad_batch_and_keeps_what_it_accepted() -> None:
+    good = pa.RecordBatch.from_pydict({"k": [1, 2], "s": ["a", "b"], "v": [1.0, 2.0]}, schema=SCHEMA)
+    bad = good.drop_columns(["v"])
+
+    def main(worker: timely.Worker) -> tuple[list, list]:
+        errors: list = []
+        with worker.dataflow() as scope:
+            inp = columnar.new_input(scope, SCHEMA, name="Bids")
+            captured = inp.stream.aggregate_by("k", {"v": "sum"}).to_rows().capture()
+        for sent in (good, bad, pa.Table.from_batches([bad.append_column("v", pa.array([1, 2]))]),
+                     {"k": [3], "s": ["c"], "v": [3.0]}, {"k": ["x"]}):
+            try:
+                inp.send(sent)
+            except ValueError as e:
+                errors.append(str(e))
+        inp.close()
+        worker.step_while(worker.has_dataflows, timeout=30)
+        return errors, captured.records()
+
+    results = timely.execute(main, workers=2, timeout=60)
+    for errors, _ in results:
+        assert len(errors) == 3
+        assert "'Bids'" in errors[0] and "column 'v' is missing" in errors[0]
+        assert "column 'v' is int64, expected double" in errors[1]
+        assert "'Bids'" in errors[2]
+    # every worker's accepted batches (good, then the mapping) are counted: k=1,2 twice, k=3 twice
+    assert sorted(r for _, out in results for r in out) == [(1, 2.0), (2, 4.0), (3, 6.0)]

@@ -6,9 +6,8 @@
     from timely import columnar
 
     with worker.dataflow() as scope:
-        inp = scope.new_input()                       # inp.send(record_batch)
-        bids = columnar.from_batches(inp.stream, schema)
-        totals = (bids.filter(pc.field("price") > 100)
+        inp = columnar.new_input(scope, schema)       # inp.send(record_batch), checked on the spot
+        totals = (inp.stream.filter(pc.field("price") > 100)
                       .aggregate_by("auction", {"price": ["sum", "count"]}))
         totals.to_rows().inspect(print)
 
@@ -25,10 +24,10 @@ from ..comm.framing import register_extension
 from . import codec
 from .channels import ColumnDistribute, ColumnExchange
 from .kernels import Aggregation, bins_of_hashes, hash_columns, worker_parts
-from .stream import BatchStream, from_batches, from_rows, rows_of, schema_difference
+from .stream import BatchInput, BatchStream, from_batches, from_rows, new_input, rows_of, schema_difference
 
-__all__ = ["Aggregation", "BatchStream", "ColumnDistribute", "ColumnExchange", "bins_of_hashes", "from_batches",
-           "from_rows", "hash_columns", "rows_of", "schema_difference", "worker_parts"]
+__all__ = ["Aggregation", "BatchInput", "BatchStream", "ColumnDistribute", "ColumnExchange", "bins_of_hashes",
+           "from_batches", "from_rows", "hash_columns", "new_input", "rows_of", "schema_difference", "worker_parts"]
 
 #: The msgpack extension code of a RecordBatch inside an ordinary record.
 RECORD_BATCH_EXT = 1

@@ -262,6 +262,49 @@ def rows_of(batch: pa.RecordBatch) -> list[tuple]:
     return list(zip(*cols))
 
 
+class BatchInput:
+    """An input of record batches: :meth:`send` checks a batch against the schema *before* it is
+    accepted, so a bad batch raises in the caller (naming the input and the column) and nothing
+    already sent is lost. ``stream`` is the :class:`BatchStream` it feeds."""
+
+    def __init__(self, handle: Any, schema: pa.Schema) -> None:
+        self._handle = handle
+        self.schema = schema
+        self.stream = BatchStream(handle.stream, schema)
+        self._check = _checker(handle.name, schema)
+
+    @property
+    def time(self) -> Any:
+        """The epoch batches are sent at."""
+        return self._handle.time
+
+    def send(self, batch: pa.RecordBatch | pa.Table | Mapping[str, Any]) -> None:
+        """Send a batch (a ``Table`` is sent as its batches; a mapping of columns is converted with
+        the input's schema) at the current epoch."""
+        if isinstance(batch, Mapping):
+            try:
+                batch = pa.RecordBatch.from_pydict(dict(batch), schema=self.schema)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, KeyError) as e:
+                raise ValueError(f"input '{self._handle.name}': columns do not fit the schema: {e}") from None
+        batches = batch.to_batches() if isinstance(batch, pa.Table) else [batch]
+        for b in batches:
+            self._check(b)  # all checked before any is sent
+        self._handle.send_batch(batches)
+
+    def advance_to(self, time: Any) -> None:
+        """Promise that no more batches will be sent at times before ``time``."""
+        self._handle.advance_to(time)
+
+    def close(self) -> None:
+        """Send nothing more."""
+        self._handle.close()
+
+
+def new_input(scope: Any, schema: pa.Schema, name: str | None = None) -> BatchInput:
+    """A :class:`BatchInput` of ``schema`` in ``scope``."""
+    return BatchInput(scope.new_input(name), schema)
+
+
 def from_batches(stream: Stream, schema: pa.Schema | None = None, name: str | None = None) -> BatchStream:
     """The stream ``stream`` of ``RecordBatch`` records as a :class:`BatchStream`; with ``schema``,
     every batch is checked against it (a mismatch fails naming the operator and the column)."""
