@@ -35,11 +35,11 @@ import megaphone
 import timely
 from timely import collector
 
-from .generator import Generator
+from .columnar import COLUMNAR_QUERIES, event_source, lookup
 from .metrics import INTERVAL, GcPauses, Timeline, rss_bytes
 from .model import Config, Params
 from .openloop import Completions, Schedule, acknowledged, latencies, start_together
-from .queries import QUERIES, Streams
+from .queries import Streams
 
 #: Epochs (ms) of latencies binned at a time after the measured phase (bounds the memory it takes).
 CHUNK = 1000
@@ -130,14 +130,15 @@ class WorkerRun:
         self.spec = spec
         self.worker = worker
         self.config = spec.config()
-        self.gen = Generator(self.config, worker.index, worker.peers)
+        self.gen = event_source(spec.query, self.config, worker.index, worker.peers)
         with worker.dataflow() as scope:
             self.inputs = [scope.new_input(name) for name in ("Persons", "Auctions", "Bids")]
             streams = Streams(*(i.stream for i in self.inputs))
             self.control = megaphone.ControlInput(scope, k=spec.k) if spec.flex else None
-            out = QUERIES[spec.query].build(streams, spec.query_params(), self.control)
+            out = lookup(spec.query).build(streams, spec.query_params(), self.control)
             self.produced = 0
-            out = out.inspect_batch(self._count, name="Count")
+            count = self._count_rows if spec.query in COLUMNAR_QUERIES else self._count
+            out = out.inspect_batch(count, name="Count")
             self.probe = out.probe()
         self.controller: Any = None
         self.targets: list = []
@@ -157,6 +158,10 @@ class WorkerRun:
 
     def _count(self, time: Any, batch: Any) -> None:
         self.produced += len(batch)
+
+    def _count_rows(self, time: Any, batch: Any) -> None:
+        """:meth:`_count` for a columnar query, whose records are RecordBatches."""
+        self.produced += sum(b.num_rows for b in batch)
 
     def _feed(self, target: int) -> int:
         """Send every event scheduled before epoch ``target`` at the current epoch, advance the

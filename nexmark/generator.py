@@ -274,6 +274,11 @@ class Generator:
     def _bids(self, n: np.ndarray) -> list:
         if not len(n):
             return []
+        return list(zip(*(col.tolist() for col in self.bid_columns(n))))
+
+    def bid_columns(self, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The bids with event numbers ``n`` (each a bid's number) as int64 columns ``(auction,
+        bidder, price, date_time)``: the bids' records without a Python object per bid."""
         c = self.config
         h0, h1 = _hashes(n, c.seed, 2)
         hot_auction = (self._last_auction(n) // c.hot_ratio_2) * c.hot_ratio_2
@@ -282,7 +287,7 @@ class Generator:
         hot_bidder = (self._last_person(n) // c.hot_ratio_2) * c.hot_ratio_2 + 1
         bidder = np.where(_below(h0 >> np.uint64(8), c.hot_bidder_ratio) > 0, hot_bidder,
                           self._next_person(n, h0 >> np.uint64(32))) + c.first_person_id
-        return list(zip(auction.tolist(), bidder.tolist(), _price(h1).tolist(), self._date_time(n).tolist()))
+        return auction, bidder, _price(h1), self._date_time(n)
 
 
 def generate(config: Config, lo: int, hi: int, index: int = 0, peers: int = 1) -> EventBatch:

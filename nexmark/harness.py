@@ -19,9 +19,10 @@ from typing import Any
 import megaphone
 import timely
 
+from .columnar import COLUMNAR_QUERIES, event_source, lookup, output_rows
 from .generator import Generator
 from .model import Config, Params
-from .queries import QUERIES, Streams
+from .queries import Streams
 from .reference import REFERENCE, Stamped
 
 #: The small event stream of the checks (tests and ``--check``): 100 events per epoch, event time
@@ -97,12 +98,12 @@ def stamped_events(run: Run) -> Stamped:
 
 def _main(run: Run, worker: timely.Worker) -> list:
     """One worker's part of :func:`execute`: its captured output batches."""
-    gen = Generator(run.config, worker.index, worker.peers)
+    gen = event_source(run.query, run.config, worker.index, worker.peers)
     with worker.dataflow() as scope:
         inputs = [scope.new_input(name) for name in ("Persons", "Auctions", "Bids")]
         streams = Streams(*(i.stream for i in inputs))
         control = megaphone.ControlInput(scope, k=run.k) if run.flex else None
-        out = QUERIES[run.query].build(streams, run.params, control)
+        out = lookup(run.query).build(streams, run.params, control)
         captured = out.capture()
         probe = out.probe()
     for stamp, end in run.rounds(worker.index):
@@ -123,7 +124,7 @@ def _main(run: Run, worker: timely.Worker) -> list:
     if control is not None:
         control.close()
     worker.finish()
-    return [(t, list(recs)) for t, recs in captured.batches]
+    return [(t, output_rows(recs)) for t, recs in captured.batches]
 
 
 def _norm(x: Any) -> Any:
@@ -142,7 +143,8 @@ def execute(run: Run) -> Counter:
 def expected(run: Run) -> Counter:
     """The reference output for the same events (it depends on ``run.workers`` only with
     ``batching``: each worker stamps its share on its own)."""
-    return REFERENCE[run.query](stamped_events(run), run.params)
+    query = COLUMNAR_QUERIES[run.query].same_as if run.query in COLUMNAR_QUERIES else run.query
+    return REFERENCE[query](stamped_events(run), run.params)
 
 
 def diff(got: Counter, want: Counter, limit: int = 5) -> str:

@@ -98,9 +98,11 @@ def per_time_best(stream: timely.Stream, group: int, score: Callable[[tuple], An
     return stream.unary_notify(logic, name, exchange=group)
 
 
-def per_time_groups(stream: timely.Stream, key: int, apply: Callable[[Any, list], list], name: str) -> timely.Stream:
-    """Collect each time's records (exchanged by field ``key``); once the time is complete call
-    ``apply(time, records)`` and emit what it returns at that time."""
+def per_time_groups(stream: timely.Stream, key: int | timely.Pact | None, apply: Callable[[Any, list], list],
+                    name: str) -> timely.Stream:
+    """Collect each time's records (exchanged by field ``key``, or by the pact ``key``; ``None``: not
+    exchanged); once the time is complete call ``apply(time, records)`` and emit what it returns at
+    that time."""
     pending: dict[Any, list] = defaultdict(list)
 
     def logic(inp: Any, out: Any, notificator: Any) -> None:

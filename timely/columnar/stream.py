@@ -40,6 +40,12 @@ def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
     return f"columns are in the order {got.names}, expected {expected.names}"
 
 
+def _same_columns(a: pa.Schema, b: pa.Schema) -> bool:
+    """Same column names and types, in order (nullability and metadata aside: Spark, for one,
+    marks columns ``not null`` that a declared schema leaves nullable)."""
+    return a.names == b.names and all(x.type.equals(y.type) for x, y in zip(a, b))
+
+
 def _checker(name: str, schema: pa.Schema | None) -> Callable[[pa.RecordBatch], None]:
     """A check that a record is a batch of ``schema`` (any schema when ``None``)."""
 
@@ -47,7 +53,7 @@ def _checker(name: str, schema: pa.Schema | None) -> Callable[[pa.RecordBatch], 
         if type(batch) is not pa.RecordBatch:
             raise TypeError(f"operator '{name}': records of a columnar stream are pyarrow.RecordBatch, "
                             f"got {type(batch).__name__}: {batch!r:.200}")
-        if schema is not None and batch.schema is not schema and not batch.schema.equals(schema):
+        if schema is not None and batch.schema is not schema and not _same_columns(batch.schema, schema):
             raise ValueError(f"operator '{name}': batch schema does not match the stream's: "
                              f"{schema_difference(schema, batch.schema)}")
 
