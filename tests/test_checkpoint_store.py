@@ -1,0 +1,129 @@
+"""The checkpoint store against a dictionary model: incremental key maps, garbage collection,
+atomic manifests, and clear refusals of corrupt, missing, foreign and stale files."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from timely.checkpoint.store import CheckpointError, Store
+
+KEYS = [f"bin/{i}" for i in range(6)]
+
+# one checkpoint: per worker, changed keys -> new value (None deletes)
+changes = st.lists(st.dictionaries(st.sampled_from(KEYS), st.one_of(st.none(), st.binary(max_size=20)), max_size=4),
+                   min_size=2, max_size=2)
+
+
+def disjoint(per_worker: list[dict]) -> list[dict]:
+    """Each key offered by one worker only (the store refuses a key offered twice)."""
+    seen: set = set()
+    out = []
+    for d in per_worker:
+        out.append({k: v for k, v in d.items() if k not in seen})
+        seen |= set(d)
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(history=st.lists(changes, min_size=1, max_size=6), keep=st.integers(1, 3))
+def test_incremental_checkpoints_match_a_dictionary_model(tmp_path, history: list, keep: int) -> None:
+    store = Store(str(tmp_path / uuid.uuid4().hex), "job", keep=keep)
+    model: dict[str, bytes] = {}
+    snapshots = []
+    for i, per_worker in enumerate(history):
+        epoch = 2 * (i + 1)
+        per_worker = disjoint(per_worker)
+        for w, changed in enumerate(per_worker):
+            store.write_part(epoch, w, {"S": changed}, meta={"w": w})
+        manifest = store.commit(epoch, 2, store.ready(epoch, 2))
+        for changed in per_worker:
+            for k, v in changed.items():
+                if v is None:
+                    model.pop(k, None)
+                else:
+                    model[k] = v
+        snapshots.append((epoch, dict(model)))
+        assert store.read(manifest, "S") == model
+        assert manifest.meta == {0: {"w": 0}, 1: {"w": 1}}
+        assert store.read(manifest, "S", keys=["bin/0", "nope"]) == {k: v for k, v in model.items() if k == "bin/0"}
+    # The kept manifests are still whole after garbage collection; older ones are gone.
+    kept = sorted(os.listdir(tmp_path / store.root.rsplit("/", 1)[-1] / "manifests"))
+    assert len(kept) == min(keep, len(history))
+    for epoch, state in snapshots[-keep:]:
+        assert store.read(store.load(f"{store.root}/manifests/{epoch:020d}.json"), "S") == state
+    # Every part file left is needed by a kept manifest (nothing leaks).
+    needed = set().union(*(store.load(f"{store.root}/manifests/{n}").files() for n in kept))
+    assert set(os.listdir(f"{store.root}/parts")) <= needed | set()
+    assert os.listdir(f"{store.root}/pending") == []
+
+
+def test_a_checkpoint_in_progress_leaves_the_previous_one_whole(tmp_path) -> None:
+    store = Store(str(tmp_path), "job")
+    store.write_part(1, 0, {"S": {"a": b"1"}})
+    first = store.commit(1, 1, store.ready(1, 1))
+    store.write_part(2, 0, {"S": {"a": b"2"}})  # crash before the commit
+    assert store.latest().epoch == 1 and store.read(store.latest(), "S") == {"a": b"1"}
+    # A run after the crash does not commit the crashed run's part with its own.
+    again = Store(str(tmp_path), "job", run="second")
+    assert again.ready(2, 1) is None
+    again.write_part(2, 0, {"S": {"a": b"two"}})
+    assert again.read(again.commit(2, 1, again.ready(2, 1)), "S") == {"a": b"two"}
+    assert first.epoch == 1
+
+
+def test_a_failed_write_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -> None:
+    store = Store(str(tmp_path), "job")
+    store.write_part(1, 0, {"S": {"a": b"1"}})
+    store.commit(1, 1, store.ready(1, 1))
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint file .*parts/e0+2-w00000.*No space left"):
+        store.write_part(2, 0, {"S": {"a": b"2"}})
+    monkeypatch.undo()
+    assert store.read(store.latest(), "S") == {"a": b"1"}
+
+
+def test_foreign_corrupt_and_missing_files_are_refused(tmp_path) -> None:
+    store = Store(str(tmp_path), "job-a")
+    store.write_part(1, 0, {"S": {"a": b"payload"}})
+    manifest = store.commit(1, 1, store.ready(1, 1))
+    with pytest.raises(CheckpointError, match="belongs to another job"):
+        Store(str(tmp_path), "job-b").latest()
+    part = tmp_path / "parts" / manifest.states["S"]["a"][0]
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{part.name} is corrupt: state 'S' key 'a'"):
+        store.read(manifest, "S")
+    part.unlink()
+    with pytest.raises(CheckpointError, match=rf"{part.name} .*cannot be read"):
+        store.read(manifest, "S")
+    body = json.loads((tmp_path / "manifests" / f"{1:020d}.json").read_text())
+    body["epoch"] = 7
+    (tmp_path / "manifests" / f"{1:020d}.json").write_text(json.dumps(body))
+    with pytest.raises(CheckpointError, match="corrupt .checksum mismatch"):
+        store.latest()
+
+
+def test_a_key_offered_twice_is_an_error(tmp_path) -> None:
+    store = Store(str(tmp_path), "job")
+    store.write_part(1, 0, {"S": {"a": b"x"}})
+    store.write_part(1, 1, {"S": {"a": b"y"}})
+    with pytest.raises(CheckpointError, match="key 'a' offered by workers 0 and 1"):
+        store.commit(1, 2, store.ready(1, 2))
+
+
+def test_any_fsspec_url() -> None:
+    store = Store(f"memory://ckpt-{uuid.uuid4().hex}", "job")
+    store.write_part(3, 0, {"S": {"k": b"v"}, "T": {}})
+    manifest = store.commit(3, 1, store.ready(3, 1))
+    assert store.latest().epoch == 3 and store.read(manifest, "S") == {"k": b"v"}

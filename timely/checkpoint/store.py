@@ -1,0 +1,275 @@
+"""Where checkpoints live: part files, manifests, incremental key maps, garbage collection.
+
+Layout under the checkpoint URL (a local directory or any fsspec URL)::
+
+    manifests/<epoch:020d>.json     a complete checkpoint: written last, atomically
+    parts/e<epoch:020d>-w<worker:05d>-<id>.part
+                                    one worker's changed blobs at that epoch (and a JSON index)
+    pending/e<epoch:020d>-w<worker:05d>-<run>.json
+                                    "this worker's part is durable": read by the committer
+
+A **part** file is ``MAGIC``, an 8-byte little-endian index length, the JSON index
+``{state: {key: [offset, length, crc32] | null}}`` (``null``: the key was deleted) and the blobs.
+A **manifest** maps every live ``(state, key)`` to ``[file, offset, length, crc32]``: the key map of
+the previous manifest with the parts of its epoch applied, so a checkpoint writes only what changed
+since the last one and still names everything (incremental). It also records the job, the epoch,
+the worker count and each worker's meta, and a SHA-256 of its own body.
+
+Invariants: a manifest is written only after every part it names is durable, and it is the last
+thing a checkpoint writes; so a crash at any moment leaves the previous manifest complete. Garbage
+collection keeps the newest ``keep`` manifests and every file they name, and never touches parts of
+epochs above the newest manifest (a checkpoint in progress).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import time
+import uuid
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ..errors import TimelyError
+
+FORMAT = 1
+MAGIC = b"TIMELYCKPT\x00\x01"
+_LEN = struct.Struct("<Q")
+
+
+class CheckpointError(TimelyError, RuntimeError):
+    """A checkpoint cannot be written or used: corrupt or missing file, another job's checkpoint,
+    storage failure. The message names the file."""
+
+
+class Manifest:
+    """One complete checkpoint: ``epoch`` (state reflects the inputs before it), ``peers`` (the
+    workers that wrote it), ``job``, ``meta`` (per worker index, what it gave) and the key map."""
+
+    def __init__(self, body: dict, path: str) -> None:
+        self.path = path
+        self.epoch: int = body["epoch"]
+        self.peers: int = body["peers"]
+        self.job: str = body["job"]
+        self.meta: dict[int, Any] = {int(w): m for w, m in body["meta"].items()}
+        self.states: dict[str, dict[str, list]] = body["states"]
+        self.created: float = body.get("created", 0.0)
+
+    def keys(self, state: str) -> list[str]:
+        """The keys ``state`` holds in this checkpoint."""
+        return list(self.states.get(state, {}))
+
+    def files(self) -> set[str]:
+        """Every part file this checkpoint needs."""
+        return {ref[0] for refs in self.states.values() for ref in refs.values()}
+
+    def __repr__(self) -> str:
+        return f"Manifest(epoch={self.epoch}, peers={self.peers}, states={sorted(self.states)})"
+
+
+def _body_digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class Store:
+    """The checkpoints of job ``job`` at ``url`` (created if missing). ``keep`` manifests are kept.
+
+    ``run`` names one execution of the job (the same on all its workers, another after a restart):
+    a part is committed only with the parts of its own run, never with those a crashed run left.
+    """
+
+    def __init__(self, url: str, job: str, keep: int = 2, run: str = "") -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, not {keep}")
+        self.url = url
+        self.job = job
+        self.keep = keep
+        self._run = hashlib.sha256(run.encode()).hexdigest()[:12]
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url)
+            self.root = root.rstrip("/")
+            for sub in ("manifests", "parts", "pending"):
+                self.fs.makedirs(self._path(sub), exist_ok=True)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint storage {url!r} cannot be used: {e}") from e
+        self._local = isinstance(self.fs, LocalFileSystem)
+
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    # -- writing -------------------------------------------------------------------------------
+    def _write_atomic(self, path: str, data: bytes) -> None:
+        """``data`` at ``path``, all or nothing, durable when this returns."""
+        try:
+            if self._local:
+                tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+                fd = os.open(os.path.dirname(path), os.O_RDONLY)
+                try:
+                    os.fsync(fd)  # the rename itself is durable
+                finally:
+                    os.close(fd)
+            else:
+                self.fs.pipe_file(path, data)  # one PUT: object stores never show half an object
+        except OSError as e:
+            raise CheckpointError(f"cannot write checkpoint file {path}: {e}") from e
+
+    def write_part(self, epoch: int, worker: int, states: Mapping[str, Mapping[str, bytes | None]],
+                   meta: Any = None) -> dict:
+        """Write ``worker``'s changed blobs at ``epoch`` (``None`` deletes a key) as one durable
+        part file, then its pending marker; return the part record (JSON-able)."""
+        index: dict[str, dict[str, list | None]] = {}
+        blobs: list[bytes] = []
+        offset = 0
+        for state, changed in states.items():
+            entries: dict[str, list | None] = {}
+            for key, blob in changed.items():
+                if blob is None:
+                    entries[key] = None
+                    continue
+                blob = bytes(blob)
+                entries[key] = [offset, len(blob), zlib.crc32(blob)]
+                blobs.append(blob)
+                offset += len(blob)
+            index[state] = entries
+        head = json.dumps(index, separators=(",", ":")).encode()
+        name = f"e{epoch:020d}-w{worker:05d}-{uuid.uuid4().hex[:12]}.part"
+        base = len(MAGIC) + _LEN.size + len(head)
+        self._write_atomic(self._path("parts", name), b"".join([MAGIC, _LEN.pack(len(head)), head, *blobs]))
+        record = {"epoch": epoch, "worker": worker, "file": name, "base": base, "states": index, "meta": meta}
+        self._write_atomic(self._pending(epoch, worker), json.dumps(record).encode())
+        return record
+
+    def _pending(self, epoch: int, worker: int) -> str:
+        return self._path("pending", f"e{epoch:020d}-w{worker:05d}-{self._run}.json")
+
+    def ready(self, epoch: int, peers: int) -> list[dict] | None:
+        """The part records of every worker at ``epoch``, or ``None`` while some are missing."""
+        names = [self._pending(epoch, w) for w in range(peers)]
+        try:
+            if not all(self.fs.exists(n) for n in names):
+                return None
+            return [json.loads(self.fs.cat_file(n)) for n in names]
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read the pending parts of epoch {epoch} in {self.url}: {e}") from e
+
+    def commit(self, epoch: int, peers: int, parts: Iterable[dict]) -> Manifest:
+        """Write the manifest of ``epoch`` from the previous one and ``parts`` (one per worker),
+        atomically; then collect garbage. A key offered by two workers is an error."""
+        previous = self.latest()
+        if previous is not None and previous.epoch >= epoch:
+            raise CheckpointError(f"checkpoint of epoch {epoch} would not be newer than {previous.path}")
+        states: dict[str, dict[str, list]] = {s: dict(refs) for s, refs in (previous.states if previous else {}).items()}
+        meta: dict[str, Any] = {}
+        owner: dict[tuple[str, str], int] = {}
+        for part in parts:
+            if part["epoch"] != epoch:
+                raise CheckpointError(f"part {part['file']} is of epoch {part['epoch']}, not {epoch}")
+            meta[str(part["worker"])] = part["meta"]
+            for state, entries in part["states"].items():
+                refs = states.setdefault(state, {})
+                for key, ref in entries.items():
+                    other = owner.setdefault((state, key), part["worker"])
+                    if other != part["worker"]:
+                        raise CheckpointError(f"state '{state}' key {key!r} offered by workers {other} and "
+                                              f"{part['worker']} at epoch {epoch}")
+                    if ref is None:
+                        refs.pop(key, None)
+                    else:
+                        refs[key] = [part["file"], part["base"] + ref[0], ref[1], ref[2]]
+        body = {"format": FORMAT, "job": self.job, "epoch": epoch, "peers": peers, "created": time.time(),
+                "meta": meta, "states": states}
+        body["sha256"] = _body_digest(body)
+        path = self._path("manifests", f"{epoch:020d}.json")
+        self._write_atomic(path, json.dumps(body, separators=(",", ":")).encode())
+        manifest = Manifest(body, path)
+        self._collect(manifest)
+        return manifest
+
+    # -- reading -------------------------------------------------------------------------------
+    def _manifest_paths(self) -> list[tuple[int, str]]:
+        try:
+            names = self.fs.ls(self._path("manifests"), detail=False)
+        except FileNotFoundError:
+            return []
+        found = []
+        for n in names:
+            base = n.rsplit("/", 1)[-1]
+            if base.endswith(".json") and base[:-5].isdigit():
+                found.append((int(base[:-5]), n))
+        return sorted(found)
+
+    def load(self, path: str) -> Manifest:
+        """The manifest at ``path``, checked (intact, of this job)."""
+        try:
+            body = json.loads(self.fs.cat_file(path))
+            digest = body.pop("sha256")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"checkpoint manifest {path} is unreadable or corrupt: {e}") from e
+        if _body_digest(body) != digest:
+            raise CheckpointError(f"checkpoint manifest {path} is corrupt (checksum mismatch)")
+        if body.get("format") != FORMAT:
+            raise CheckpointError(f"checkpoint manifest {path} has format {body.get('format')}, expected {FORMAT}")
+        if body["job"] != self.job:
+            raise CheckpointError(f"checkpoint {path} belongs to another job (job {body['job']!r:.80}, this job "
+                                  f"{self.job!r:.80}): use another checkpoint directory, or remove it")
+        return Manifest(body, path)
+
+    def latest(self) -> Manifest | None:
+        """The newest complete checkpoint, or ``None`` when there is none."""
+        paths = self._manifest_paths()
+        return self.load(paths[-1][1]) if paths else None
+
+    def read(self, manifest: Manifest, state: str, keys: Iterable[str] | None = None) -> dict[str, bytes]:
+        """The blobs of ``state`` in ``manifest`` (only ``keys`` when given; absent keys are
+        skipped), each checked against its checksum."""
+        refs = manifest.states.get(state, {})
+        wanted = refs if keys is None else {k: refs[k] for k in keys if k in refs}
+        by_file: dict[str, list[tuple[str, list]]] = {}
+        for key, ref in wanted.items():
+            by_file.setdefault(ref[0], []).append((key, ref))
+        out: dict[str, bytes] = {}
+        for name, entries in by_file.items():
+            path = self._path("parts", name)
+            try:
+                with self.fs.open(path, "rb") as f:
+                    for key, (_, offset, length, crc) in sorted(entries, key=lambda e: e[1][1]):
+                        f.seek(offset)
+                        blob = f.read(length)
+                        if len(blob) != length or zlib.crc32(blob) != crc:
+                            raise CheckpointError(f"checkpoint file {path} is corrupt: state '{state}' key {key!r} "
+                                                  f"fails its checksum")
+                        out[key] = blob
+            except OSError as e:
+                raise CheckpointError(f"checkpoint file {path} (state '{state}', checkpoint {manifest.path}) "
+                                      f"cannot be read: {e}") from e
+        return out
+
+    # -- garbage collection --------------------------------------------------------------------
+    def _collect(self, newest: Manifest) -> None:
+        """Delete manifests beyond the newest ``keep``, the parts no kept manifest needs (of epochs
+        up to ``newest``'s), and the pending markers of those epochs."""
+        paths = self._manifest_paths()
+        kept = [self.load(p) if p != newest.path else newest for _, p in paths[-self.keep:]]
+        needed = set().union(*(m.files() for m in kept))
+        try:
+            for _, p in paths[:-self.keep]:
+                self.fs.rm_file(p)
+            for sub in ("parts", "pending"):
+                for n in self.fs.ls(self._path(sub), detail=False):
+                    base = n.rsplit("/", 1)[-1]
+                    if not base.startswith("e") or not base[1:21].isdigit():
+                        continue
+                    if int(base[1:21]) <= newest.epoch and base not in needed:
+                        self.fs.rm_file(n)
+        except OSError:
+            pass  # garbage left behind is collected next time; the checkpoint itself is complete
