@@ -51,3 +51,22 @@ def test_the_megaphone_example_finishes_its_migration(tmp_path):
                "-m", "timely.launch", "-w", "2", "--timeout", "120")
     assert done.returncode == 0, done.stderr
     assert "worker 0 owns 192 of 256 bins" in done.stdout and "worker 1 owns 64 of 256 bins" in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_columnar_example_runs_as_a_script_and_under_the_launcher(tmp_path):
+    source = example("## Columnar dataflows")
+    for argv in ([], ["-m", "timely.launch", "-w", "2"]):
+        done = run(tmp_path, "columnar_job.py", source, *argv)
+        assert done.returncode == 0, done.stderr
+        # (two workers' prints may interleave within a line: count the rows, not the lines)
+        rows = re.findall(r"\((\d), \d+, \d+, \d+\)", done.stdout)
+        assert sorted(rows) == sorted("0123" * 3), done.stdout  # 4 auctions in each of 3 epochs
+
+
+@pytest.mark.timeout(120)
+def test_the_columnar_megaphone_example_runs(tmp_path):
+    done = run(tmp_path, "megaphone_columns.py", example("### Megaphone on columns"))
+    assert done.returncode == 0, done.stderr
+    assert "worker 0 holds bins" in done.stdout
+    assert "{'auction': 0, 'price_sum': 80, 'price_count': 8, 'price_max': 10, 'price_mean': 10.0}" in done.stdout
