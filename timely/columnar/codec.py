@@ -29,7 +29,7 @@ _SLACK_BYTES = 4096
 _FLAT, _DICT = 0, 1  # column forms in the meta
 _ZERO_COPY, _IPC = 0, 1  # batch forms in the meta
 
-_schema_bytes: dict[pa.Schema, bytes] = {}
+_recent: list[tuple[pa.Schema, bytes]] = []
 _schemas: dict[bytes, pa.Schema] = {}
 
 
@@ -103,11 +103,13 @@ def _column(arr: pa.Array, buffers: list) -> tuple:
 
 
 def _schema_to_bytes(schema: pa.Schema) -> bytes:
-    b = _schema_bytes.get(schema)
-    if b is None:
-        if len(_schema_bytes) > 256:
-            _schema_bytes.clear()
-        b = _schema_bytes[schema] = schema.serialize().to_pybytes()
+    # The schemas recently sent, compared with equals() (hashing a schema costs microseconds).
+    for known, b in _recent:
+        if known.equals(schema, check_metadata=True):
+            return b
+    b = schema.serialize().to_pybytes()
+    _recent.insert(0, (schema, b))
+    del _recent[8:]
     return b
 
 
