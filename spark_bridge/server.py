@@ -21,7 +21,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import zmq
 
@@ -149,7 +149,7 @@ class BridgeServer:
                               (self.hello, self._on_hello_reply)):
             # Ask the socket first: an idle worker pumps often, and a failed receive costs a
             # ZMQError (tens of microseconds) where reading EVENTS costs well under one.
-            while sock is not None and n < budget and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while sock is not None and n < budget and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 try:
                     msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: What code outside the engine may import from it.
 PUBLIC = {"timely", "timely.routing", "timely.errors", "timely.testing", "timely.collector", "timely.launch",
           "timely.comm.secret",  # the job secret: the bridge and Megaphone's endpoint secure their sockets with it
-          "timely.columnar"}  # streams of Arrow record batches
+          "timely.columnar",  # streams of Arrow record batches
+          "timely.checkpoint"}  # checkpoints: participants (Megaphone's bins), replayable sources, sinks
 CLIENTS = ["megaphone", "spark_bridge", "nexmark", "pyspark_timely", "examples"]
 
 
@@ -75,6 +76,8 @@ LAYERS = {
     "timely.dataflow": {"timely.progress", "timely.routing"},
     # Columnar streams: operators over the dataflow layer, buffers over the transport's framing.
     "timely.columnar": {"timely.dataflow", "timely.progress", "timely.routing", "timely._native", "timely.comm.framing"},
+    # Checkpoints: storage below everything, sources and sinks over the public dataflow API.
+    "timely.checkpoint": {"timely.dataflow", "timely.routing"},
 }
 # Within timely.dataflow: a module imports only modules of a lower rank.
 DATAFLOW_RANK = {

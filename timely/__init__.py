@@ -70,7 +70,8 @@ __all__ = [
 
 def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str] | None = None, *,
             timeout: float | None = None, start: str = "fork", fuzz: int | None = None,
-            watchdog: float | None = None, secret: str | JobSecret | None = None) -> list[Any]:
+            watchdog: float | None = None, secret: str | JobSecret | None = None, checkpoint: str | None = None,
+            checkpoint_every: int = 10, restarts: int = 0) -> list[Any]:
     """Run ``main(worker)`` on ``workers`` workers; return each worker's result, by index.
 
     Workers are processes exchanging data over ZeroMQ, started by ``start``: ``"fork"`` (the
@@ -96,17 +97,28 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
     ``TIMELY_SECRET`` / ``TIMELY_SECRET_FILE`` if set, else no secret): the workers' links are
     then authenticated and encrypted (CURVE), and ``worker.secret`` holds it for the job's own
     servers (:class:`~timely.comm.secret.SecretError` for an empty or unreadable secret).
+    ``checkpoint`` (a directory or fsspec URL) turns checkpoints on, every ``checkpoint_every``
+    epochs (:mod:`timely.checkpoint`; ``worker.checkpoint``); a failed run is then started again,
+    up to ``restarts`` times, every worker resuming from the latest complete checkpoint (one line
+    per restart on stderr; ``restarts`` needs ``checkpoint``: :class:`ValueError` otherwise).
     """
     from .comm.secret import resolve  # (ZeroMQ: only when a job runs)
 
     job_secret = resolve(secret)
-    if workers == 1 and start == "fork" and timeout is None:
+    if restarts and checkpoint is None:
+        raise ValueError("restarts need checkpoint=DIR to resume from")
+    config = None
+    if checkpoint is not None:
+        from .checkpoint.checkpointer import CheckpointConfig
+
+        config = CheckpointConfig(checkpoint, checkpoint_every)
+    if workers == 1 and start == "fork" and timeout is None and not restarts:
         alloc = ThreadAllocator()
         try:
-            return [Worker(alloc, args or [], fuzz, watchdog, secret=job_secret).run(main)]
+            return [Worker(alloc, args or [], fuzz, watchdog, secret=job_secret, checkpoint=config).run(main)]
         finally:
             alloc.close()
     from .cluster import execute_cluster  # validates workers, timeout and start
 
     return execute_cluster(main, workers, args or [], timeout=timeout, start=start, fuzz=fuzz, watchdog=watchdog,
-                           secret=job_secret)
+                           secret=job_secret, checkpoint=config, restarts=restarts)

@@ -39,13 +39,16 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .comm.endpoints import free_loopback_ports, ipc_endpoints, loopback_endpoints
 from .comm.errors import PeerLost
 from .comm.secret import JobSecret, resolve
 from .errors import OperatorError, TimelyError
 from .watchdog import StoppedWorkers
+
+if TYPE_CHECKING:
+    from .checkpoint.checkpointer import CheckpointConfig
 
 __all__ = ["START_METHODS", "WorkerError", "WorkerOperatorError", "Outcome", "supervise", "run_worker",
            "execute_cluster", "local_endpoints"]
@@ -423,13 +426,14 @@ def primary_failure(outcomes: list[Outcome]) -> Outcome:
 def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: list[str], token: str,
                args: Sequence[str], report: Callable[[Any], None], fuzz: int | None = None,
                watchdog: float | None = None, watchdog_warn: bool = False, secret: JobSecret | None = None,
-               **options: Any) -> None:
+               checkpoint: CheckpointConfig | None = None, **options: Any) -> None:
     """The per-process run sequence: allocator -> ``Worker`` -> ``main`` -> ``finish`` -> report -> close.
 
     ``fuzz`` seeds the worker's schedule fuzzer (``None``: none); ``watchdog`` (seconds) and
     ``watchdog_warn`` configure its stuck-operator watchdog. ``secret`` (the job secret, or
     ``None``) secures the worker-to-worker links and becomes :attr:`Worker.secret
-    <timely.worker.Worker.secret>`, for the job's own servers. On failure the allocator is closed
+    <timely.worker.Worker.secret>`, for the job's own servers. ``checkpoint`` configures the
+    worker's checkpoints (:attr:`Worker.checkpoint <timely.worker.Worker.checkpoint>`). On failure the allocator is closed
     with ``abort`` so the peers learn at once which worker failed.
     """
     from .comm.zmq_allocator import ZmqAllocator
@@ -442,7 +446,8 @@ def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: li
     gc.freeze()
     try:
         job_id = hashlib.sha256(b"timely-job/" + token.encode()).hexdigest()[:32]  # the token stays secret
-        report(Worker(alloc, list(args), fuzz, watchdog, watchdog_warn, secret=secret, job_id=job_id).run(main))
+        report(Worker(alloc, list(args), fuzz, watchdog, watchdog_warn, secret=secret, job_id=job_id,
+                      checkpoint=checkpoint).run(main))
     except BaseException as exc:
         reason = "stopped" if isinstance(exc, _Stopped) else f"{type(exc).__name__}: {exc}"
         alloc.close(abort=reason)
@@ -475,7 +480,8 @@ def local_endpoints(workers: int, transport: str, base_port: int | None = None) 
 def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str] | None = None, *,
                     transport: str = "ipc", timeout: float | None = None, grace: float = STOP_GRACE,
                     start: str = "fork", fuzz: int | None = None, watchdog: float | None = None,
-                    secret: str | JobSecret | None = None, **options: Any) -> list[Any]:
+                    secret: str | JobSecret | None = None, checkpoint: CheckpointConfig | None = None,
+                    restarts: int = 0, **options: Any) -> list[Any]:
     """Run ``main(worker)`` in ``workers`` processes on this host; return each result by index.
 
     Results must be picklable. ``transport`` is ``"ipc"`` (Unix sockets in a private temporary
@@ -486,7 +492,9 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
     text or a :class:`~timely.comm.secret.JobSecret`; ``None``: from the environment, see
     :func:`~timely.comm.secret.resolve`): the workers' links use CURVE, and every worker's
     :attr:`~timely.worker.Worker.secret` is it. ``options`` go to the
-    :class:`~timely.comm.zmq_allocator.ZmqAllocator`. Raises :class:`WorkerError` naming the first
+    :class:`~timely.comm.zmq_allocator.ZmqAllocator`. With ``checkpoint``, the workers take
+    checkpoints, and up to ``restarts`` times a failed run is started again from the latest one
+    (:mod:`timely.recovery`; one line per restart on stderr). Raises :class:`WorkerError` naming the first
     worker that failed (with its traceback text) after stopping the others.
     """
     if workers < 1:
@@ -495,10 +503,15 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
         _require_picklable(main, "main")
     token = secrets.token_hex(16)
     options["secret"] = resolve(secret)
+    from .recovery import run_restarting
+
     with local_endpoints(workers, transport) as endpoints:
-        entry = functools.partial(_cluster_worker, main, workers, endpoints, token, list(args or []), fuzz, watchdog,
-                                  options)
-        outcomes = supervise(entry, range(workers), grace=grace, timeout=timeout, start=start)
+        def attempt(config: CheckpointConfig | None) -> list[Outcome]:
+            entry = functools.partial(_cluster_worker, main, workers, endpoints, token, list(args or []), fuzz,
+                                      watchdog, {**options, "checkpoint": config})
+            return supervise(entry, range(workers), grace=grace, timeout=timeout, start=start)
+
+        outcomes = run_restarting(attempt, restarts, checkpoint, lambda line: sys.stderr.write(f"timely: {line}\n"))
     if any(o.failed for o in outcomes):
         raise failure_error(outcomes)
     return [o.result for o in outcomes]

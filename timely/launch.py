@@ -14,7 +14,9 @@ default) or loopback tcp from ``--port``.
 Exit status: 0 when every worker on this host finished cleanly; 1 when a worker raised (its index
 and traceback are printed), died (its index and signal are printed), stayed stopped by SIGSTOP /
 SIGTSTP longer than ``--stopped-grace`` seconds (it is killed; a stop of the whole job, Ctrl-Z then
-``fg``, is not one), or ``--timeout`` expired, after stopping the others; 2 for a usage error (a bad
+``fg``, is not one), or ``--timeout`` expired, after stopping the others (with ``--checkpoint DIR
+--restarts R``, a worker that dies or raises first restarts the job from the latest checkpoint in
+DIR, up to R times, one line each: ``timely.recovery``); 2 for a usage error (a bad
 option, an unreadable or empty ``--secret-file``) or a job file that cannot run (syntax error, no
 ``main``, a ``main`` that is not a function), before any worker runs the job; 130 on Ctrl-C, 143 on
 SIGTERM, 129 on SIGHUP; 141 (SIGPIPE, nothing printed) when the job's output pipe was closed
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -33,13 +36,17 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .cluster import STOPPED_GRACE, Outcome, local_endpoints, primary_failure, run_worker, signal_name, supervise
 from .comm.endpoints import DEFAULT_PORT, hostfile_endpoints, parse_hostfile
 from .comm.errors import HostfileError
 from .comm.secret import JobSecret, SecretError, resolve
 from .errors import TimelyError
+from .recovery import run_restarting
+
+if TYPE_CHECKING:
+    from .checkpoint.checkpointer import CheckpointConfig
 
 #: Name the job module is imported under in each worker.
 JOB_MODULE = "timely_job"
@@ -152,6 +159,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stopped-grace", type=float, default=STOPPED_GRACE, metavar="S",
                    help="end the job when a worker stays stopped (SIGSTOP/SIGTSTP) longer than S seconds "
                         f"(default {STOPPED_GRACE:g}); a stop of the whole job (Ctrl-Z, then fg) is not one")
+    ck = p.add_argument_group("checkpoints and recovery")
+    ck.add_argument("--checkpoint", metavar="DIR",
+                    help="take checkpoints in DIR (a directory or an fsspec URL) and resume from the latest one found "
+                         "there; the same DIR with another -w rescales the job")
+    ck.add_argument("--checkpoint-every", type=int, default=10, metavar="N", help="epochs between checkpoints (10)")
+    ck.add_argument("--restarts", type=int, default=0, metavar="R",
+                    help="on one host: when a worker dies or raises, start all workers again from the latest "
+                         "checkpoint, up to R times (default 0)")
     p.add_argument("--fuzz", type=int, default=None, metavar="SEED",
                    help="run under the schedule fuzzer seeded by SEED (batches split, reordered, delayed)")
     p.add_argument("job", help="the job file: a Python file defining main(worker)")
@@ -194,6 +209,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"--heartbeat-timeout must be a positive number of seconds, not {opts.heartbeat_timeout:g}")
         if not opts.stopped_grace > 0:
             raise _UsageError(f"--stopped-grace must be a positive number of seconds, not {opts.stopped_grace:g}")
+        if opts.checkpoint_every < 1:
+            raise _UsageError(f"--checkpoint-every must be at least 1, not {opts.checkpoint_every}")
+        if opts.restarts < 0:
+            raise _UsageError(f"--restarts must be at least 0, not {opts.restarts}")
+        if opts.restarts and not opts.checkpoint:
+            raise _UsageError("--restarts needs --checkpoint DIR to resume from")
+        if opts.restarts and opts.hostfile:
+            raise _UsageError("--restarts works on one host only (without --hostfile)")
         if opts.watchdog_warn and opts.watchdog is None:
             raise _UsageError("--watchdog-warn needs --watchdog S")
         check_job(opts.job)
@@ -246,15 +269,21 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
     job, job_args = opts.job, list(opts.args)
     alloc_options = {"startup_timeout": opts.startup_timeout, "heartbeat_timeout": opts.heartbeat_timeout,
                      "heartbeat_ivl": min(1.0, opts.heartbeat_timeout / 4)}
+    config = None
+    if opts.checkpoint:
+        from .checkpoint.checkpointer import CheckpointConfig  # (fsspec: only for jobs with checkpoints)
 
-    def entry(index: int, report: Callable[[Any], None]) -> None:
+        config = CheckpointConfig(opts.checkpoint, opts.checkpoint_every)
+
+    def entry(config: CheckpointConfig | None, index: int, report: Callable[[Any], None]) -> None:
         sys.argv = [job, *job_args]
         module = load_job(job)
         job_main = getattr(module, "main", None)
         if not callable(job_main):
             raise JobFileError(f"{job}: main is {type(job_main).__name__} {job_main!r:.60}, not a function of the worker")
         run_worker(job_main, index, peers, endpoints, token, job_args, lambda _result: report(None),
-                   opts.fuzz, opts.watchdog, opts.watchdog_warn, secret, bind=bind.get(index), **alloc_options)
+                   opts.fuzz, opts.watchdog, opts.watchdog_warn, secret, checkpoint=config, bind=bind.get(index),
+                   **alloc_options)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise _Terminated(signum)
@@ -262,7 +291,10 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
     # SIGTERM and SIGHUP (the terminal closed) stop the workers and clean up like Ctrl-C.
     previous = {s: signal.signal(s, on_sigterm) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        outcomes = supervise(entry, range(first, first + n), timeout=opts.timeout, stopped_grace=opts.stopped_grace)
+        outcomes = run_restarting(
+            lambda config: supervise(functools.partial(entry, config), range(first, first + n), timeout=opts.timeout,
+                                     stopped_grace=opts.stopped_grace),
+            opts.restarts, config, lambda line: sys.stderr.write(f"timely.launch: {line}\n"))
     except KeyboardInterrupt:
         sys.stderr.write("timely.launch: interrupted; workers stopped\n")
         return 130

@@ -16,7 +16,11 @@ from .dataflow.scope import Scope
 from .errors import BuildError, ProgressMismatchError
 from .watchdog import Watchdog
 
+#: Longest park (seconds) of a worker with checkpoints: worker 0 checks for commits this often.
+CHECKPOINT_POLL = 0.05
+
 if TYPE_CHECKING:
+    from .checkpoint.checkpointer import CheckpointConfig, Checkpointer
     from .comm.secret import JobSecret
 
 
@@ -25,12 +29,14 @@ class Worker:
 
     Build dataflows with ``with worker.dataflow() as scope: ...``, then drive them with
     :meth:`step` / :meth:`step_while`. Every worker must build the same dataflows in the same order.
-    ``secret`` is the job secret (:attr:`secret`).
+    ``secret`` is the job secret (:attr:`secret`). ``checkpoint`` configures checkpoints
+    (:attr:`checkpoint`).
     """
 
     def __init__(self, allocator: Allocator, args: Sequence[str] = (), fuzz: int | None = None,
                  watchdog: float | None = None, watchdog_warn: bool = False, *,
-                 secret: JobSecret | None = None, job_id: str | None = None) -> None:
+                 secret: JobSecret | None = None, job_id: str | None = None,
+                 checkpoint: CheckpointConfig | None = None) -> None:
         self.allocator = allocator
         self._secret = secret
         self._job_id = job_id or uuid.uuid4().hex
@@ -48,6 +54,12 @@ class Worker:
         if watchdog is not None:
             self.watchdog = Watchdog(watchdog, self.index, watchdog_warn)
             self.watchdog.start()
+        # The checkpoint runtime (timely.checkpoint): participants register with it while building.
+        self.checkpoint: Checkpointer | None = None
+        if checkpoint is not None:
+            from .checkpoint.checkpointer import Checkpointer  # (fsspec: only for jobs with checkpoints)
+
+            self.checkpoint = Checkpointer.open(checkpoint, self.index, self.peers, self._job_id)
 
     @property
     def job_id(self) -> str:
@@ -91,6 +103,8 @@ class Worker:
         try:
             yield Scope(df)
             df.freeze()
+            if self.checkpoint is not None:
+                self.checkpoint.built(df.name, df.digest)  # refuses another job's checkpoint
         finally:
             self._building = None
         self._dataflows.append(df)
@@ -103,6 +117,9 @@ class Worker:
     def step_or_park(self, timeout: float | None) -> bool:
         """Do one round of work; if there was none, wait up to ``timeout`` seconds for messages."""
         alloc = self.allocator
+        if self.checkpoint is not None:
+            self.checkpoint.poll()  # background errors; worker 0's commits
+            timeout = CHECKPOINT_POLL if timeout is None else min(timeout, CHECKPOINT_POLL)
         # Peers that finished before this step's receive: all they sent is in the pullers, and
         # the steps below read it (the progress channels completely).
         finished = alloc.finished()
@@ -155,12 +172,17 @@ class Worker:
             with batch_gc():
                 result = main(self)
                 self.finish()
+                if self.checkpoint is not None:
+                    self.checkpoint.flush()
             return result
         finally:
             self.close()
 
     def close(self) -> None:
-        """Release what the worker holds outside its dataflows (the watchdog's thread); idempotent."""
+        """Release what the worker holds outside its dataflows (the watchdog's and the checkpoint
+        writer's threads); idempotent."""
+        if self.checkpoint is not None:
+            self.checkpoint.close()
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None

@@ -1,0 +1,314 @@
+"""The checkpoint runtime of one worker: participants, per-epoch offers, the background writer, the commit.
+
+A *checkpoint at epoch e* holds every participant's state reflecting exactly the inputs at epochs
+``< e``; sources resume at ``e``. Checkpoint epochs are those with ``e > 0`` and ``e % every == 0``:
+every worker knows them without coordination.
+
+Per worker, participants (``ck.register(name)``, the same names on every worker, registered while
+the dataflows are built) offer their changed state at each checkpoint epoch, in order. Once every
+participant has offered epoch ``e`` (or has closed: its state will not change again), the worker's
+part of ``e`` is handed to a background thread, which writes it with
+:meth:`Store.write_part <timely.checkpoint.store.Store.write_part>` (the part file, then its pending
+marker). The dataflow goes on meanwhile: an offer only blocks when :data:`MAX_QUEUED` parts are
+already waiting to be written (:meth:`Checkpointer.stats` measures both). Worker 0 checks from its
+step loop, at most every :data:`POLL` seconds and without blocking (the check itself runs on the
+background thread), whether every worker's part of its oldest uncommitted epoch is durable, and then
+commits the manifest. An error on the background thread (a full disk, a permission) fails the job at
+the worker's next step with a :class:`CheckpointError` naming the file; the previous checkpoint stays
+usable, as a manifest is written only once all of its parts are.
+
+Job identity: every part records the shape digests of the worker's dataflows; a restart whose
+dataflows have other shapes than those of the checkpoint is refused (:meth:`Checkpointer.built`).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .store import CheckpointError, Manifest, Store
+
+__all__ = ["CheckpointConfig", "Checkpointer", "Participant", "JOB", "POLL", "MAX_QUEUED"]
+
+log = logging.getLogger("timely.checkpoint")
+
+#: The ``job`` every checkpoint store is opened with: a job is told apart by its dataflows' shapes.
+JOB = "timely"
+#: Seconds between worker 0's checks for a committable epoch.
+POLL = 0.05
+#: Parts that may wait for the background writer before an offer blocks (back pressure).
+MAX_QUEUED = 4
+#: Seconds worker 0 waits, when the job ends, for the parts of the epochs it wrote to be committed.
+FINAL_COMMIT_WAIT = 2.0
+#: The key of the runtime's own entry in a part's meta (next to each participant's meta, by name).
+_OWN = "_timely"
+#: Test hook: seconds every part write is slowed by (environment ``TIMELY_CHECKPOINT_TEST_DELAY``).
+_DELAY_ENV = "TIMELY_CHECKPOINT_TEST_DELAY"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where a job's checkpoints live (``url``: a directory or an fsspec URL) and how often they
+    are taken (every ``every`` epochs). Picklable: it travels to the worker processes."""
+
+    url: str
+    every: int
+    attempt: int = 0  #: which run of the job this is (0, then one more per restart)
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"checkpoint_every must be at least 1 epoch, not {self.every}")
+
+
+class Participant:
+    """One registered piece of checkpointed state of one worker (see :meth:`Checkpointer.register`)."""
+
+    def __init__(self, ck: Checkpointer, name: str) -> None:
+        self._ck = ck
+        self.name = name
+        self.offered = ck.resume_epoch  # the last epoch offered (or resumed from)
+        self.closed = False
+
+    def restore(self, keys: Iterable[str] | None = None) -> dict[str, bytes]:
+        """This participant's blobs in the checkpoint the job resumed from (all of them, or only
+        ``keys``, e.g. the keys this worker owns after rescaling); ``{}`` on a fresh start."""
+        m = self._ck.manifest
+        return {} if m is None else self._ck.store.read(m, self.name, keys)
+
+    def keys(self) -> list[str]:
+        """The keys this participant holds in the checkpoint resumed from (every worker's)."""
+        m = self._ck.manifest
+        return [] if m is None else m.keys(self.name)
+
+    def meta(self) -> dict[int, Any]:
+        """The ``meta`` each worker (by index) last offered, in the checkpoint resumed from."""
+        m = self._ck.manifest
+        if m is None:
+            return {}
+        return {w: v[self.name] for w, v in m.meta.items() if isinstance(v, dict) and self.name in v}
+
+    def offer(self, epoch: int, changed: dict[str, bytes | None], meta: Any = None) -> None:
+        """Offer this participant's state at checkpoint epoch ``epoch``: the blobs of the keys changed
+        since its last offer (``None`` deletes a key), already serialised (they are written later, on
+        another thread), and JSON-able ``meta``. Every checkpoint epoch above the resume epoch is
+        offered once, in order; epochs at or below :attr:`Checkpointer.resume_epoch` are ignored."""
+        ck = self._ck
+        if not ck.is_checkpoint(epoch):
+            raise ValueError(f"participant '{self.name}': {epoch} is not a checkpoint epoch (every {ck.every})")
+        if epoch <= ck.resume_epoch:
+            return
+        if self.closed or epoch <= self.offered:
+            raise CheckpointError(f"participant '{self.name}' offered epoch {epoch} after epoch {self.offered}"
+                                  + (" and after closing" if self.closed else ""))
+        missing = (self.offered // ck.every + 1) * ck.every  # the next checkpoint epoch
+        if epoch != missing:
+            raise CheckpointError(f"participant '{self.name}' offered epoch {epoch} without epoch {missing}")
+        self.offered = epoch
+        ck._offer(self, epoch, changed, meta)
+
+    def close(self) -> None:
+        """Declare that this participant's state will not change again (its input ended): later
+        checkpoints carry nothing from it. Offer the last changes first."""
+        if not self.closed:
+            self.closed = True
+            self._ck._advance()
+
+
+class Checkpointer:
+    """The checkpoint runtime of worker ``index`` of ``peers`` (``worker.checkpoint``).
+
+    ``store`` holds the checkpoints; the job resumes from its newest complete manifest
+    (:attr:`manifest`, :attr:`resume_epoch`), read once here.
+    """
+
+    def __init__(self, store: Store, every: int, index: int, peers: int) -> None:
+        if every < 1:
+            raise ValueError(f"checkpoint every must be at least 1 epoch, not {every}")
+        self.store = store
+        self.every = every
+        self.index = index
+        self.peers = peers
+        self.manifest: Manifest | None = store.latest()
+        self.resume_epoch: int = 0 if self.manifest is None else self.manifest.epoch
+        self._participants: dict[str, Participant] = {}
+        self._digests: list[str] = []
+        self._offers: dict[int, dict[str, tuple[dict[str, bytes | None], Any]]] = {}
+        self._meta: dict[str, Any] = {}  # each participant's meta in the newest part handed to the writer
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(MAX_QUEUED)
+        self._error: BaseException | None = None
+        self._written: list[int] = []  # worker 0: epochs whose part is queued or written, not yet committed
+        self._commit_busy = False
+        self._next_poll = 0.0
+        self._delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
+        self._stats = {"parts": 0, "bytes": 0, "write_s": 0.0, "write_max_s": 0.0, "offer_block_s": 0.0,
+                       "offer_block_max_s": 0.0, "commits": 0}
+        self._thread = threading.Thread(target=self._writer, name=f"timely-checkpoint-{index}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def open(cls, config: CheckpointConfig, index: int, peers: int, job_id: str = "") -> Checkpointer:
+        """The checkpointer of worker ``index`` of ``peers`` for ``config``. The parts of this run
+        are committed only with each other: a run is named by ``job_id`` (what every worker of one
+        launch shares) and the attempt, so the pending parts a failed run left behind never join
+        (they are collected once a newer checkpoint covers their epoch)."""
+        return cls(Store(config.url, JOB, run=f"{job_id}/{config.attempt}"), config.every, index, peers)
+
+    # -- the job's side --------------------------------------------------------------------------
+    def is_checkpoint(self, epoch: int) -> bool:
+        """True if ``epoch`` is a checkpoint epoch (``> 0`` and a multiple of :attr:`every`)."""
+        return epoch > 0 and epoch % self.every == 0
+
+    def register(self, name: str) -> Participant:
+        """A new participant named ``name`` (registered while building, the same names on every
+        worker). Restarting from a checkpoint whose workers registered other names is refused."""
+        if name in self._participants:
+            raise CheckpointError(f"checkpoint participant '{name}' registered twice")
+        m = self.manifest
+        if m is not None:
+            known = set().union(*(set(v) - {_OWN} for v in m.meta.values() if isinstance(v, dict)))
+            if name not in known:
+                raise CheckpointError(f"checkpoint {m.path} belongs to another job: it has no participant '{name}' "
+                                      f"(it has {sorted(known)}); use another checkpoint directory")
+        p = Participant(self, name)
+        self._participants[name] = p
+        self._meta[name] = None
+        return p
+
+    def built(self, name: str, digest: int) -> None:
+        """Called when a dataflow is built: refuse a checkpoint whose dataflow at the same position
+        had another shape (another job)."""
+        position = len(self._digests)
+        self._digests.append(f"{digest:016x}")
+        m = self.manifest
+        if m is None:
+            return
+        recorded = (m.meta.get(0) or {}).get(_OWN, {}).get("dataflows", [])
+        if position < len(recorded) and recorded[position] != self._digests[-1]:
+            raise CheckpointError(f"checkpoint {m.path} belongs to another job: dataflow '{name}' (number {position}) "
+                                  f"has shape {self._digests[-1]}, the checkpoint's {recorded[position]}; "
+                                  f"use another checkpoint directory")
+
+    def stats(self) -> dict[str, float]:
+        """Counters: ``parts`` written and their ``bytes``, ``write_s`` / ``write_max_s`` (time spent
+        writing, on the background thread), ``offer_block_s`` / ``offer_block_max_s`` (time the
+        dataflow was held by offers), ``commits``."""
+        return dict(self._stats)
+
+    # -- the worker's side -------------------------------------------------------------------------
+    def poll(self) -> None:
+        """From the worker's step loop: raise a background error; on worker 0, schedule a commit check
+        at most every :data:`POLL` seconds. Never blocks."""
+        if self._error is not None:
+            raise self._error
+        if self.index != 0 or self._commit_busy or not self._written:
+            return
+        now = time.monotonic()
+        if now < self._next_poll:
+            return
+        self._next_poll = now + POLL
+        try:
+            self._queue.put_nowait(self._try_commit)
+            self._commit_busy = True
+        except queue.Full:
+            pass
+
+    def flush(self) -> None:
+        """When the job ends: write the parts offered so far, wait for them (worker 0: and, up to
+        :data:`FINAL_COMMIT_WAIT` seconds, for their commit); raise a background error."""
+        self._advance(final=True)
+        self._queue.join()
+        deadline = time.monotonic() + FINAL_COMMIT_WAIT
+        while self.index == 0 and self._written and self._error is None and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(POLL / 2)
+        self._queue.join()
+        if self._error is not None:
+            raise self._error
+        log.debug("worker %d checkpoint stats: %s", self.index, self._stats)
+
+    def close(self) -> None:
+        """Stop the background thread (parts not yet written are dropped); idempotent."""
+        if self._thread.is_alive():
+            try:
+                self._queue.put(None, timeout=1.0)
+            except queue.Full:
+                return  # daemon thread: it ends with the process
+            self._thread.join(5.0)
+
+    # -- internals --------------------------------------------------------------------------------
+    def _offer(self, p: Participant, epoch: int, changed: dict[str, bytes | None], meta: Any) -> None:
+        self._offers.setdefault(epoch, {})[p.name] = (changed, meta)
+        self._advance()
+
+    def _advance(self, final: bool = False) -> None:
+        """Hand every epoch all participants have offered (or closed before) to the writer, in order.
+        ``final``: the job ended, so every participant is done."""
+        live = [p for p in self._participants.values() if not p.closed]
+        while self._offers:
+            epoch = min(self._offers)
+            if not final and any(p.offered < epoch for p in live):
+                return
+            offers = self._offers.pop(epoch)
+            states = {name: changed for name, (changed, _) in offers.items()}
+            self._meta.update({name: meta for name, (_, meta) in offers.items()})
+            meta = {**self._meta, _OWN: {"dataflows": list(self._digests), "peers": self.peers}}
+            began = time.monotonic()
+            self._queue.put(functools.partial(self._write, epoch, states, meta))
+            blocked = time.monotonic() - began
+            self._stats["offer_block_s"] += blocked
+            self._stats["offer_block_max_s"] = max(self._stats["offer_block_max_s"], blocked)
+            if self.index == 0:
+                self._written.append(epoch)  # until committed
+
+    def _writer(self) -> None:
+        """The background thread: run queued writes and commit checks, one at a time, in order."""
+        while True:
+            task = self._queue.get()
+            try:
+                if task is None:
+                    return
+                if self._error is None:
+                    task()
+            except CheckpointError as e:
+                self._error = e
+            except Exception as e:
+                self._error = CheckpointError(f"checkpoint storage {self.store.url} failed: {type(e).__name__}: {e}")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, epoch: int, states: dict[str, dict[str, bytes | None]], meta: dict) -> None:
+        began = time.monotonic()
+        if self._delay:
+            time.sleep(self._delay)
+        self.store.write_part(epoch, self.index, states, meta)
+        took = time.monotonic() - began
+        size = sum(len(b) for changed in states.values() for b in changed.values() if b is not None)
+        s = self._stats
+        s["parts"] += 1
+        s["bytes"] += size
+        s["write_s"] += took
+        s["write_max_s"] = max(s["write_max_s"], took)
+        log.debug("worker %d: part of epoch %d written (%d bytes, %.3f s)", self.index, epoch, size, took)
+
+    def _try_commit(self) -> None:
+        """Worker 0, on the background thread: commit the oldest written epoch if every part is durable."""
+        try:
+            epoch = self._written[0]
+            parts = self.store.ready(epoch, self.peers)
+            if parts is None:
+                return
+            for part in parts:
+                if (part.get("meta") or {}).get(_OWN, {}).get("peers") != self.peers:
+                    return  # a stale marker of an earlier run: it is overwritten when this run writes the part
+            manifest = self.store.commit(epoch, self.peers, parts)
+            self._written.pop(0)
+            self._stats["commits"] += 1
+            log.debug("checkpoint of epoch %d committed (%s)", epoch, manifest.path)
+        finally:
+            self._commit_busy = False

@@ -1,0 +1,61 @@
+"""Recovery: run a job again from its latest complete checkpoint when a worker dies or raises.
+
+:func:`run_restarting` wraps one supervised run of every worker (``attempt``): after a failure, if
+restarts remain, it starts all workers again (fresh processes) and they resume from the newest
+complete manifest under the checkpoint URL, their sources replaying from its epoch. A failure of
+the checkpoints themselves (a corrupt or foreign checkpoint, a full disk: :class:`CheckpointError`)
+or a job file that cannot run is not retried: it would fail again.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .cluster import Outcome, primary_failure
+
+if TYPE_CHECKING:
+    from .checkpoint.checkpointer import CheckpointConfig
+
+__all__ = ["run_restarting", "retryable"]
+
+#: Failures (exception class names) that a restart would only repeat.
+_FINAL = ("CheckpointError", "JobFileError")
+
+
+def retryable(failure: Outcome) -> bool:
+    """True unless ``failure`` is one a restart would repeat (see :data:`_FINAL`)."""
+    kind = (failure.summary or "").split(":")[0].rsplit(".", 1)[-1]
+    return not (failure.status == "error" and kind in _FINAL)
+
+
+def run_restarting(attempt: Callable[[CheckpointConfig | None], list[Outcome]], restarts: int,
+                   config: CheckpointConfig | None, log: Callable[[str], object]) -> list[Outcome]:
+    """Run ``attempt(config)`` (one run of every worker with that checkpoint configuration,
+    returning their outcomes) and, while it fails retryably and fewer than ``restarts`` restarts
+    were made, run it again with the next ``config.attempt``; ``log`` gets one line per restart
+    (which worker failed, the epoch the job resumes from). Returns the last outcomes."""
+    if restarts < 0:
+        raise ValueError(f"restarts must be at least 0, not {restarts}")
+    if restarts and config is None:
+        raise ValueError("restarts need checkpoints (a checkpoint directory) to resume from")
+    made = 0
+    while True:
+        outcomes = attempt(config if config is None else dataclasses.replace(config, attempt=made))
+        if made >= restarts or not any(o.failed for o in outcomes):
+            return outcomes
+        first = primary_failure(outcomes)
+        if not retryable(first):
+            return outcomes
+        assert config is not None
+        from .checkpoint.checkpointer import JOB  # (fsspec: only once a job with checkpoints failed)
+        from .checkpoint.store import CheckpointError, Store
+
+        try:
+            manifest = Store(config.url, JOB).latest()
+        except CheckpointError as e:
+            log(f"{first.describe()}; not restarted: {e}")
+            return outcomes
+        made += 1
+        where = "the start (no checkpoint yet)" if manifest is None else f"the checkpoint of epoch {manifest.epoch}"
+        log(f"{first.describe()}; restart {made} of {restarts}: every worker resumes from {where}")
