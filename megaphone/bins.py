@@ -7,11 +7,15 @@ from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Sequence
 from itertools import islice
-from typing import Any
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any
 
 from timely import Activator, TimelyError
 
 from .table import Table, balanced
+
+if TYPE_CHECKING:
+    from .checkpoint import BinCheckpoint
 
 
 class MegaphoneError(TimelyError, RuntimeError):
@@ -42,6 +46,10 @@ class Bin:
     def __init__(self, state: Any) -> None:
         self.state = state
         self.timers: list[tuple[Any, int, Any]] = []  # heap of (time, sequence, payload)
+
+    def pending_timers(self) -> list[tuple[Any, Any]]:
+        """The ``(time, payload)`` of the bin's timers, in the order they fire (as they travel)."""
+        return [(t, p) for t, _, p in sorted(self.timers, key=itemgetter(0, 1))]
 
 
 class StateCodec:
@@ -87,6 +95,15 @@ class StateCodec:
         state.update(part)
         return state
 
+    def dumps(self, state: Any, timers: list) -> bytes:
+        """A whole bin (``state`` and its ``(time, payload)`` timers) as bytes for a checkpoint: a
+        copy, which the bin may change after. By default :meth:`pack`'s payload (a pickle)."""
+        return self.pack(state, timers)
+
+    def loads(self, data: bytes) -> tuple[Any, list]:
+        """The ``(state, timers)`` of bytes of :meth:`dumps`: a bin's whole state, ready to hold."""
+        return self.unpack(data)
+
     def merged(self, states: Sequence[Any]) -> Any:
         """The states of several bins as one (:meth:`megaphone.Migratable.state`)."""
         merged: dict = {}
@@ -119,6 +136,10 @@ class Shared:
         self.events: list[dict] = []
         self.s_activator: Activator | None = None  # schedules S (set when S is built)
         self.left_times: list[Any] = []  # times of timers shipped away, until S rechecks their capabilities
+        # With checkpoints (megaphone.checkpoint): the bins changed since their last offer (state or
+        # timers touched by S, or installed by a migration), and the participant. None without.
+        self.dirty: set[int] | None = None
+        self.checkpoint: BinCheckpoint | None = None
 
     def table_at(self, time: Any) -> Table:
         """The routing table in force at ``time`` (ARCHITECTURE 5.3: records route by their own time)."""
@@ -134,6 +155,8 @@ class Shared:
         if bin_ is None:
             raise MegaphoneError(f"'{self.name}': worker {self.index} was to ship bin {b}, which it does not hold")
         self.bins[b] = None
+        if self.dirty is not None:
+            self.dirty.discard(b)  # offered up to now by the checkpoint's cut; the new owner marks it
         for t, _, _ in bin_.timers:
             self.left_times.append(t)
             bins_at = self.timer_bins.get(t)

@@ -157,6 +157,8 @@ class RunningAggregates(StateCodec):
         new = pa.RecordBatch.from_arrays(new.columns, schema=self.state_schema)
         bins = self._bins(new, shared.k)
         touched = np.unique(bins)
+        if shared.dirty is not None:
+            shared.dirty.update(touched.tolist())
         held = [shared.bins[b] for b in touched]
         for b, bin_ in zip(touched, held):
             if bin_ is None:
@@ -244,6 +246,23 @@ class RunningAggregates(StateCodec):
         if part is None:
             return state
         return part if state is None else pa.concat_batches([state, part])
+
+    def dumps(self, state: Any, timers: list) -> bytes:
+        """A bin's batch as one Arrow IPC stream (empty bytes for an empty bin); no timers here."""
+        if timers:
+            raise MegaphoneError(f"'{self.name}': running aggregates have no timers")
+        if state is None:
+            return b""
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, state.schema) as writer:
+            writer.write_batch(state)
+        return sink.getvalue().to_pybytes()
+
+    def loads(self, data: bytes) -> tuple[Any, list]:
+        """The ``(batch or None, [])`` of :meth:`dumps`'s bytes."""
+        if not data:
+            return None, []
+        return pa.ipc.open_stream(pa.py_buffer(data)).read_next_batch(), []
 
     def merged(self, states: Sequence[Any]) -> Any:
         """The running aggregates of every key of ``states``, in the output form, as a ``pyarrow.Table``."""

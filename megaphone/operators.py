@@ -30,6 +30,7 @@ from timely import (
 )
 
 from .bins import ROWS, MegaphoneError, Shared, StateCodec
+from .checkpoint import BinCheckpoint
 from .control import ControlInput
 from .route import RoutingOperator
 from .state import PerTime, StateOperator, per_record_time
@@ -108,6 +109,9 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
         raise TableError(f"'{name}': {e}") from None
     n = len(streams)
     shared = Shared(name, k, scope.index, scope.peers, codec)
+    ck = scope.worker.checkpoint
+    if ck is not None:
+        shared.checkpoint = BinCheckpoint(shared, ck)  # restores this worker's bins and F's table
     probe = ProbeHandle()
     ident = Summary.identity(1)
 
@@ -143,6 +147,12 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
     s_op = StateOperator(shared, keys, fold, [i.frontier for i in s_data] + [s_state.frontier], per_time)
 
     def build_s(caps: list[Capability]) -> Callable[[], None]:
+        if shared.checkpoint is not None:  # restored timers, held before any record is applied
+            for b, t, p in shared.checkpoint.timers:
+                bin_ = shared.bins[b]
+                assert bin_ is not None
+                s_op.add_timer(b, bin_, t, p, caps[0])
+            shared.checkpoint.timers = []
         caps[0].drop()
         return lambda: s_op.run(s_data, s_state, s_out)
 

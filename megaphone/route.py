@@ -8,7 +8,6 @@ before the migration time (5.4).
 from __future__ import annotations
 
 import time as _time
-from operator import itemgetter
 from typing import Any
 
 from timely import Capability, Frontier, OperatorInput, OperatorOutput, ProbeHandle
@@ -89,19 +88,25 @@ class RoutingOperator:
         low = [t for p in data_in for t in p.frontier] + list(self.stash)
         if low:
             horizon = min(low)
+            if shared.checkpoint is not None:  # its next offer reads the table in force at its epoch
+                horizon = min(horizon, shared.checkpoint.next_epoch)
             while len(shared.config_times) > 1 and shared.config_times[1] <= horizon:
                 del shared.config_times[0], shared.config_tables[0]
 
     def _extract(self, t: Any, old: Table, new: Table, cap: Capability, state_out: OperatorOutput) -> None:
         shared = self.shared
         me = shared.index
+        if shared.checkpoint is not None:
+            # Epochs before t first: their cut still holds here (S applied nothing at or after an
+            # epoch it has not offered), and the bins leave now (megaphone.checkpoint).
+            shared.checkpoint.offer_before(t)
         started = _time.perf_counter()
         moved = moved_bins(old, new, source=me)
         nbytes = entries = 0
         codec = shared.codec
         for b in moved:
             bin_ = shared.take_bin(b)
-            timers = [(tt, p) for tt, _, p in sorted(bin_.timers, key=itemgetter(0, 1))]
+            timers = bin_.pending_timers()
             entries += codec.size(bin_.state)
             # Bounded chunks: one state message per chunk of at most `chunk` entries; the timers
             # travel with the first.

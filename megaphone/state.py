@@ -2,7 +2,8 @@
 records of a time once every data input and the state input have passed it.
 
 Invariants of ARCHITECTURE.md section 5 relied on here: state arriving for a bin is installed before any
-later record of the bin (5.4), and times are applied in order (5.5).
+later record of the bin (5.4), and times are applied in order (5.5). With checkpoints, S offers a
+checkpoint epoch before it applies any time at or after it (the cut of :mod:`megaphone.checkpoint`).
 """
 from __future__ import annotations
 
@@ -27,12 +28,15 @@ def per_record_time(key: Any, apply: PerRecord) -> PerTime:
 
     def apply_time(t: Any, batches: list[list], shared: Shared) -> list:
         bins_held = shared.bins
+        dirty = shared.dirty
         results: list = []
         for batch in batches[0]:
             try:
                 bins = routing.bins_of(batch, key, shared.k)
             except Exception as e:
                 raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
+            if dirty is not None:
+                dirty.update(bins)
             for b, r in zip(bins, batch):
                 bin_ = bins_held[b]
                 if bin_ is None:
@@ -118,6 +122,8 @@ class StateOperator:
                 if bin_ is None:
                     bin_ = shared.bins[b] = Bin(codec.empty())
                 bin_.state = codec.install(bin_.state, part)
+                if shared.dirty is not None:
+                    shared.dirty.add(b)  # moved in: this worker offers it at its next checkpoint epoch
                 for t, p in timers:
                     self.add_timer(b, bin_, t, p, cap)
             shared.events.append({"kind": "install", "time": cap.time, "bins": sorted(bins), "entries": entries,
@@ -135,12 +141,17 @@ class StateOperator:
                 per_input[i].append(batch)
         # 3. Apply complete times in time order (ARCHITECTURE 5.5).
         applied = []
+        ck = shared.checkpoint
         while True:
             t = self._next_time()
             if t is None or not self.complete(t):
                 break
+            if ck is not None and t >= ck.next_epoch:
+                ck.offer_before(t + 1)  # the cut: epochs up to t before anything at t is applied
             self._apply(t, out)
             applied.append(t)
+        if ck is not None:
+            ck.offer_passed(self.frontiers)  # every time before them applied, none after
         # 4. Release capabilities no longer needed: times just applied (data and timers done), and
         # the times of timers that left with shipped bins. Only these can have become
         # free: a held time stays needed while it has pending data or a timer on this worker.
@@ -185,7 +196,10 @@ class StateOperator:
                     g[i].append(r)
         due = shared.timer_bins.pop(t, ())
         cap = self.caps[t]
-        for b in sorted(set(groups) | set(due)):
+        touched = sorted(set(groups) | set(due))
+        if shared.dirty is not None:
+            shared.dirty.update(touched)
+        for b in touched:
             bin_ = shared.bins[b] or shared.bin_for_record(b, t)
             timers = []
             while bin_.timers and bin_.timers[0][0] == t:

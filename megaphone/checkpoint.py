@@ -1,0 +1,151 @@
+"""Megaphone's bins as checkpoint participants (:mod:`timely.checkpoint`).
+
+Every S operator of a job with checkpoints (``worker.checkpoint`` not None) registers one
+participant, named ``megaphone/<operator name>`` on every worker. At each checkpoint epoch ``e``
+it offers its *dirty* bins, keys ``"bin/<b>"``, each value the bin's state and pending timers as
+bytes of the operator's :class:`~megaphone.bins.StateCodec` (:meth:`~megaphone.bins.StateCodec.dumps`);
+worker 0 adds the routing table in force at ``e`` to the offer's meta. At start from a checkpoint
+each worker loads only the bins it owns, under the checkpoint's table (same worker count) or a
+balanced one (rescaling), and F starts with that table.
+
+The cut (relied on by :meth:`BinCheckpoint.offer_before` and its three callers). The offer of epoch
+``e`` on a worker holds the bins that the table in force at ``e`` gives this worker, with the
+state of every time before ``e`` and nothing of a later time; bins migrating at ``e`` itself are
+the new owner's, installed before it offers ``e``. Every bin is offered by one worker per epoch
+(the one ``table_at(e)`` names), so the manifest's global key map gets it exactly once; the old
+owner of a moved bin never deletes its key (the key is the bin's, not the worker's), and the new
+owner offers it, as dirty, at the first epoch it owns it. Epoch ``e`` is offered:
+
+* by S before it applies a time ``t >= e`` (every time before ``e`` is applied: ARCHITECTURE 5.5;
+  S's inputs have passed ``t``, so every configuration up to ``e`` is compiled and its state
+  installed: 5.4);
+* by S once all its inputs have passed ``e`` (the same, without a time to apply);
+* by F before it extracts bins at a migration time ``m > e`` (its probe shows every time before
+  ``m`` applied and installed everywhere, 5.4; nothing at or after ``e`` was applied here, or S
+  would have offered ``e`` first).
+A bin this worker holds but does not own at ``e`` (it arrived later, before a lagging offer) stays
+dirty for a later epoch.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .bins import Bin, MegaphoneError, Shared
+from .table import Table, TableError, balanced, validate_table
+
+if TYPE_CHECKING:
+    from timely.checkpoint import Checkpointer, Manifest
+
+#: Participant names handed out per checkpointer (two operators of one name get ``#2``, ...).
+_NAMES: weakref.WeakKeyDictionary[Checkpointer, set[str]] = weakref.WeakKeyDictionary()
+
+
+def bin_key(b: int) -> str:
+    """The checkpoint key of bin ``b``."""
+    return f"bin/{b}"
+
+
+def _participant_name(ck: Checkpointer, name: str) -> str:
+    """``megaphone/<name>``, made unique among this checkpointer's Megaphone participants in build
+    order (the same on every worker, since every worker builds the same dataflows)."""
+    taken = _NAMES.setdefault(ck, set())
+    base = candidate = f"megaphone/{name}"
+    n = 1
+    while candidate in taken:
+        n += 1
+        candidate = f"{base}#{n}"
+    taken.add(candidate)
+    return candidate
+
+
+class BinCheckpoint:
+    """One S operator's participant: tracks the dirty bins, offers them at checkpoint epochs, and
+    restores the bins this worker owns at start (see the module documentation)."""
+
+    def __init__(self, shared: Shared, ck: Checkpointer) -> None:
+        self.shared = shared
+        self.every: int = ck.every
+        self.name = _participant_name(ck, shared.name)
+        self.participant = ck.register(self.name)
+        resume = int(ck.resume_epoch or 0)
+        self.next_epoch = (resume // self.every + 1) * self.every  # the next epoch to offer
+        self.timers: list[tuple[int, Any, Any]] = []  # restored (bin, time, payload), for S to hold
+        self.closed = False
+        shared.dirty = set()
+        if resume > 0 and ck.manifest is not None:
+            self._restore(ck.manifest)
+
+    # -- offers --------------------------------------------------------------------------------
+
+    def offer_before(self, limit: Any) -> None:
+        """Offer every checkpoint epoch below ``limit`` not offered yet, in order. The caller
+        guarantees the cut of each (module documentation): every time before the epoch applied
+        and installed here, nothing at or after it applied."""
+        while self.next_epoch < limit:
+            self._offer(self.next_epoch)
+            self.next_epoch += self.every
+
+    def offer_passed(self, frontiers: Sequence[Any]) -> None:
+        """Offer the epochs that all of S's input ``frontiers`` have passed; once they are all empty
+        (the inputs ended, every time applied), close the participant: its bins change no more."""
+        low = [t for f in frontiers for t in f]
+        if low:
+            self.offer_before(min(low))
+        elif not self.closed:
+            self.closed = True
+            self.participant.close()
+
+    def _offer(self, e: int) -> None:
+        shared = self.shared
+        assert shared.dirty is not None
+        me = shared.index
+        table = shared.table_at(e)  # final: every configuration up to e is compiled (module doc)
+        bins = shared.bins
+        codec = shared.codec
+        # A dirty bin held here but another worker's at e arrived after e: it stays dirty.
+        offered = [b for b in sorted(shared.dirty) if table[b] == me and bins[b] is not None]
+        changed: dict[str, bytes | None] = {}
+        for b in offered:
+            bin_ = bins[b]
+            assert bin_ is not None
+            changed[bin_key(b)] = codec.dumps(bin_.state, bin_.pending_timers())  # the copy; written later
+        shared.dirty.difference_update(offered)
+        meta: dict[str, Any] = {"k": shared.k, "peers": shared.peers}
+        if me == 0:
+            meta["table"] = list(table)
+        self.participant.offer(e, changed, meta)
+
+    # -- restore -------------------------------------------------------------------------------
+
+    def _restore(self, manifest: Manifest) -> None:
+        """Load the bins this worker owns under the restored table; F starts with that table."""
+        shared = self.shared
+        table = self._restored_table(manifest)
+        shared.config_tables[0] = table
+        codec = shared.codec
+        mine = [b for b, w in enumerate(table) if w == shared.index]
+        blobs = self.participant.restore(keys=[bin_key(b) for b in mine])
+        bins: list[Bin | None] = [None] * shared.nbins
+        for b in mine:
+            bin_ = bins[b] = Bin(codec.empty())
+            blob = blobs.get(bin_key(b))
+            if blob is not None:
+                bin_.state, timers = codec.loads(blob)
+                self.timers += [(b, t, p) for t, p in timers]
+        shared.bins = bins
+
+    def _restored_table(self, manifest: Manifest) -> Table:
+        shared = self.shared
+        meta = self.participant.meta().get(0) or {}  # worker 0's, which has the table
+        k = meta.get("k", shared.k)
+        if k != shared.k:
+            raise MegaphoneError(f"'{shared.name}': the checkpoint at epoch {manifest.epoch} has 2^{k} bins, "
+                                 f"this operator 2^{shared.k}")
+        if manifest.peers != shared.peers or "table" not in meta:
+            return balanced(shared.nbins, shared.peers)  # rescaling: spread the bins over the new workers
+        try:
+            return validate_table(meta["table"], shared.nbins, shared.peers, "checkpointed")
+        except TableError as e:
+            raise MegaphoneError(f"'{shared.name}': checkpoint at epoch {manifest.epoch}: {e}") from None
