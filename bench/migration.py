@@ -1,6 +1,6 @@
 """Live migration of a keyed count: Megaphone's strategies against stop-and-restart (issue 4).
 
-The paper's migration microbenchmark (Megaphone, section 5.3; ARCHITECTURE.md section 8) on worker processes:
+The paper's migration microbenchmark (Megaphone, section 5.3; ARCHITECTURE.md section 9) on worker processes:
 
 * a keyed count (``megaphone.state_machine`` summing per key) over ``--keys`` keys, all pre-loaded
   (one record per key at time 0) before the measured phase;
