@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,6 +28,8 @@ DEFAULT_TIMEOUT = 30.0
 #: failed, typically because the cluster stopped answering, so the abort must not add another
 #: ``timeout`` to the failure (the request still leaves in the background if the cluster answers).
 ABORT_WAIT = 1.0
+#: Seconds between the sends of a request retried until answered (:meth:`Coordinator.request_until_answered`).
+RETRY_WAIT = 5.0
 _SECRET_HINT = "(a job with a secret answers only clients given the same one: option 'secret' or $TIMELY_SECRET)"
 
 _ctx: zmq.Context | None = None
@@ -79,6 +82,20 @@ class Coordinator:
         if not reply.get("ok"):
             raise from_reply(reply)
         return reply
+
+    def request_until_answered(self, op: Request, **fields: Any) -> dict:
+        """:meth:`request`, sent again every :data:`RETRY_WAIT` s until answered, for at most the
+        timeout in all. Only for requests the coordinator answers the same however often they come
+        (a commit: a batch is decided once), so that one survives a restart of the cluster: a job
+        with checkpoints comes back on the same coordinator endpoint and answers a commit it logged
+        as a duplicate, and refuses one it did not (its staged rows are gone: write again)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self.request(op, min(RETRY_WAIT, max(deadline - time.monotonic(), 0.001)), **fields)
+            except CoordinatorUnreachable:
+                if time.monotonic() >= deadline:
+                    raise
 
 
 class WorkerLink:
@@ -138,8 +155,6 @@ class WorkerLink:
 
     def recv_reply(self, kinds: tuple[Op, ...], key: bytes, timeout: float, worker: int, what: str) -> list:
         """The next reply of one of ``kinds`` for ``key`` (older replies for other keys are skipped)."""
-        import time
-
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

@@ -183,7 +183,9 @@ def _tokens(messages: list) -> list:
 
 
 def _commit(plan: WritePlan, messages: list, batch: int) -> dict:
-    return plan.coordinator.request(
+    # Sent again while unanswered: a batch is decided once, and a cluster that restarted from a
+    # checkpoint answers a batch it logged as a duplicate (see spark_bridge.durable).
+    return plan.coordinator.request_until_answered(
         Request.COMMIT, stream=plan.stream, query=plan.query, batch=batch, tokens=_tokens(messages), final=plan.final)
 
 
@@ -382,7 +384,8 @@ class TimelyDataSource(DataSource):
     ``stream`` (required): the source (writes) or sink (reads) name.
     ``keyColumn``: writes route each row to the worker owning ``hash64(row[keyColumn])``.
     ``queryId``: streaming writes: the query's stable identity (default: ``checkpointLocation``,
-    else ``queryName``). ``timeout``: seconds to wait for the cluster (default 30).
+    else ``queryName``). ``timeout``: seconds to wait for the cluster (default 30; an unanswered
+    commit is sent again for that long, so that it reaches a job restarting from a checkpoint).
     ``startingEpoch`` / ``endingEpoch``: reads. ``epochColumn``: reads add the epoch as a bigint column.
     ``maxEpochsPerTrigger``: streaming reads. ``secret`` (the text) or ``secretFile`` (a file
     holding it): the job's secret, when it has one (default: ``$TIMELY_SECRET`` /

@@ -26,6 +26,10 @@ from .protocol import Request
 
 Key = tuple[str, int]  # (query, batch)
 Reply = tuple[Any, dict]  # (requester, reply)
+Entry = tuple[str, int, bool, int]  # (query, batch, final, epoch) of a committed batch
+#: The kind of a decision that publishes again an epoch committed before a restart (its rows come
+#: from the commit log: :class:`spark_bridge.durable.SourceDurability`).
+REPLAY = "replay"
 
 
 class Staged:
@@ -81,6 +85,14 @@ class Staging:
 
     def _decided(self, query: str, batch: int) -> bool:
         return query in self._final or batch <= self._watermark.get(query, -1)
+
+    def restore(self, entries: Iterable[Entry]) -> None:
+        """Batches committed before a restart: a replay of one is discarded like any decided batch."""
+        for query, batch, final, _ in entries:
+            if final:
+                self._final.add(query)
+            else:
+                self._watermark[query] = max(batch, self._watermark.get(query, -1))
 
     def begin(self, token: str, query: str, batch: int, schema: bytes, writer: Any,
               stopping: str | None = None) -> Staged:
@@ -218,16 +230,23 @@ def _stderr(message: str) -> None:
 class Decision(NamedTuple):
     """What the coordinator decided, in the order the control operator must publish it."""
 
-    kind: Request  # COMMIT, ABORT or CLOSE
+    kind: Request | str  # COMMIT, ABORT, CLOSE or REPLAY
     query: str | None = None
     batch: int | None = None
     tokens: list | None = None  # [[token, [[worker, rows], ...]], ...]
     final: bool = False  # a batch write (its query is never reused), not a streaming micro-batch
     rows: int = 0
+    epoch: int | None = None  # REPLAY: the epoch it was committed at (and is published at again)
 
     def record(self) -> tuple:
-        """The dataflow record broadcast to every worker's :meth:`Staging.apply`."""
-        return (self.kind, self.query, self.batch, self.tokens, self.final)
+        """The dataflow record broadcast to every worker's :meth:`Staging.apply` (a REPLAY's: to
+        the source's :meth:`~spark_bridge.durable.SourceDurability.replayed`, its epoch in place of tokens)."""
+        return (self.kind, self.query, self.batch, self.epoch if self.kind == REPLAY else self.tokens, self.final)
+
+    @property
+    def publishes(self) -> bool:
+        """Whether the decision takes an epoch of its own (a commit, or the replay of one)."""
+        return self.kind in (Request.COMMIT, REPLAY)
 
 
 class CommitLedger:
@@ -237,6 +256,7 @@ class CommitLedger:
         self.name = name
         self._decisions: deque[Decision] = deque()
         self._committed: dict[Key, int] = {}  # -> epoch
+        self._finals: set[str] = set()  # the batch-write queries among them
         self._watermark: dict[str, int] = {}  # query -> highest committed batch (streaming queries)
         self._queued: dict[str, int] = {}  # query -> highest batch with a commit decision (streaming queries)
         self._waiting: dict[Key, list] = {}  # requesters of a commit decided or queued, not yet answered
@@ -319,11 +339,32 @@ class CommitLedger:
         query, batch = decision.query, decision.batch
         assert query is not None and batch is not None, "only commit decisions are committed"
         self._committed[(query, batch)] = epoch
-        if not decision.final:
+        if decision.final:
+            self._finals.add(query)
+        else:
             self._watermark[query] = max(batch, self._watermark.get(query, -1))
         self._acks.append((epoch, (query, batch), decision.rows))
         self.epochs += 1
         self.rows += decision.rows
+
+    def restore(self, entries: Iterable[Entry], replay: Iterable[Any] = ()) -> None:
+        """After a restart: the batches committed before it (``entries``), answered as duplicates
+        from now on, and the logged epochs to publish again first (``replay``: objects with
+        ``query``, ``batch``, ``final``, ``total`` and ``epoch``, in epoch order)."""
+        for query, batch, final, epoch in entries:
+            self._committed[(query, batch)] = epoch
+            if final:
+                self._finals.add(query)
+            else:
+                self._watermark[query] = max(batch, self._watermark.get(query, -1))
+                self._queued[query] = max(batch, self._queued.get(query, -1))
+        for r in replay:
+            self._decisions.append(Decision(REPLAY, r.query, r.batch, None, r.final, r.total, r.epoch))
+
+    def history(self) -> Iterator[Entry]:
+        """Every committed batch (restored ones included)."""
+        for (query, batch), epoch in self._committed.items():
+            yield query, batch, query in self._finals, epoch
 
     def is_committed(self, query: str, batch: int) -> bool:
         """Whether ``(query, batch)`` was published."""

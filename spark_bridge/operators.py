@@ -31,6 +31,8 @@ from collections import deque
 from typing import Any
 
 from . import schema as S
+from .durable import SinkDurability, SourceDurability
+from .ledger import REPLAY
 from .protocol import Request
 from .server import BridgeServer, serve
 
@@ -93,7 +95,10 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
     micro-batch of a streaming write) is one epoch: 0, 1, 2, ... in commit order. The stream's
     frontier passes an epoch once every worker has emitted its rows. The source stays open until
     Spark calls ``spark_bridge.close_stream``/``shutdown`` (or the worker calls
-    ``spark_bridge.stop``). ``secret`` and ``max_message_bytes`` configure the worker's bridge
+    ``spark_bridge.stop``). In a job with checkpoints (``worker.checkpoint``) every committed epoch
+    is logged durably before Spark's commit returns and replayed after a restart, so the write
+    stays exactly once across a cluster failure (see :mod:`spark_bridge.durable`).
+    ``secret`` and ``max_message_bytes`` configure the worker's bridge
     endpoints (see :func:`spark_bridge.serve`): with a secret (default: the worker's, else
     ``$TIMELY_SECRET``), only Spark clients given the same one can write, read or shut down.
     """
@@ -101,6 +106,8 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
     fields = None if schema is None else S.parse(schema)
     src = server.streams.add_source(name, fields, arrow)
     ledger, staging = src.ledger, src.staging
+    ck = getattr(scope.worker, "checkpoint", None)
+    durable = None if ck is None else SourceDurability(ck, name, server.index, server.peers, ledger, staging)
 
     def control(cap, info):
         src.control = info.activator
@@ -108,6 +115,8 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
             cap.drop()
             return lambda out: None
         server.op_started()
+        if ck is not None:
+            cap.downgrade(ck.resume_epoch)  # the epochs before it are in the checkpoint
         held = [cap]
         wakeup = Wakeup(server, info.activator)
 
@@ -123,9 +132,12 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
                     cap.drop()
                     held[0] = None
                     continue
+                if decision.kind == REPLAY and decision.epoch != cap.time:
+                    raise RuntimeError(f"spark_bridge source '{name}': logged epoch {decision.epoch} replayed at "
+                                       f"epoch {cap.time}")
                 out.session(cap).give(decision.record())
                 out.flush()
-                if decision.kind == Request.COMMIT:
+                if decision.publishes:
                     ledger.committed(decision, cap.time)
                     cap.downgrade(cap.time + 1)
             # ``probe`` is bound below, before the dataflow runs.
@@ -153,8 +165,8 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
             import pyarrow as pa
 
             schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
-            for _rows, frame in frames:
-                yield pa.ipc.read_record_batch(pa.py_buffer(frame.buffer), schema)
+            for _rows, frame in frames:  # ZeroMQ frames, or memory from the commit log
+                yield pa.ipc.read_record_batch(pa.py_buffer(getattr(frame, "buffer", frame)), schema)
 
         def logic(inp, out) -> None:
             if finished[0]:
@@ -173,11 +185,22 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
                 if inp.frontier.less_equal(epoch):
                     break
                 cap, recs = decided.pop(epoch)
-                for rec in sorted(recs, key=lambda r: r[0] == Request.COMMIT):
-                    frames, schema_bytes = staging.apply(rec)
+                for rec in sorted(recs, key=lambda r: r[0] in (Request.COMMIT, REPLAY)):
+                    if rec[0] == REPLAY:
+                        assert durable is not None, "replays come from the commit log"
+                        schema_bytes, frames = durable.replayed(rec[3])
+                    else:
+                        frames, schema_bytes = staging.apply(rec)
+                        if durable is not None and rec[0] == Request.COMMIT:
+                            # Invariant: logged (durably) before this worker emits the epoch, so
+                            # before Spark's commit reply, which waits for every worker to emit it.
+                            durable.log.append(epoch, rec, schema_bytes, frames)
                     if frames:
                         pending.append([cap.delayed(epoch), batches(frames, schema_bytes)])
                 cap.drop()
+            if durable is not None:
+                least = inp.frontier.elements()
+                durable.offer_through(least[0] if least else None)
             budget = _EMIT_ROWS
             while pending and budget > 0:
                 cap, it = pending[0]
@@ -205,6 +228,8 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
             if inp.frontier.is_empty():
                 finished[0] = True
                 staging.close()
+                if durable is not None:
+                    durable.close()
                 server.op_done()
                 return
             wakeup.rearm()
@@ -225,7 +250,9 @@ def sink(stream: Any, name: str, schema: Any, *, arrow: bool = False, keep_alive
     Records are tuples (or lists) in the column order of ``schema`` (a Spark DDL string, pairs, a
     ``pyarrow.Schema`` or a ``StructType``); with ``arrow=True`` they are ``pyarrow.RecordBatch``
     or ``Table`` objects. An epoch is served once the stream's frontier has passed it, and kept
-    until a reader commits it (a streaming reader does so when Spark commits its batch). With
+    until a reader commits it (a streaming reader does so when Spark commits its batch); with
+    checkpoints, the epochs no reader committed are kept in them, and an epoch a reader committed is
+    never served again after a restart (see :mod:`spark_bridge.durable`). With
     ``keep_alive=True`` (default) the worker keeps serving until ``spark_bridge.shutdown`` (or
     ``spark_bridge.stop`` in the job); with ``False``, until the stream is complete and every epoch
     was released by a reader. ``secret`` and ``max_message_bytes``: as for :func:`source`.
@@ -233,6 +260,8 @@ def sink(stream: Any, name: str, schema: Any, *, arrow: bool = False, keep_alive
     server = _server_for(stream.scope, coordinator, host, secret, max_message_bytes)
     sink_ = server.streams.add_sink(name, S.parse(schema), arrow)  # fails now if a type has no Arrow equivalent
     buffer = sink_.buffer
+    ck = getattr(stream.scope.worker, "checkpoint", None)
+    durable = None if ck is None else SinkDurability(ck, name, server.index, server.peers, buffer)
 
     def ctor(cap, info):
         sink_.activator = info.activator
@@ -251,6 +280,10 @@ def sink(stream: Any, name: str, schema: Any, *, arrow: bool = False, keep_alive
                 buffer.add(t, batch)
             least = inp.frontier.elements()  # ascending: integer epochs have one least time
             buffer.advance(least[0] if least else None)
+            if durable is not None:
+                durable.offer_through(buffer.frontier)
+                if buffer.frontier is None:
+                    durable.close()
             server.serve_reads(sink_)
             input_done = buffer.frontier is None
             if keep[0] is not None and (server.grace_over() or (not keep_alive and input_done and buffer.drained)):

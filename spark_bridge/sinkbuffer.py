@@ -7,6 +7,7 @@ releases them. Reads wait here until every epoch they ask for is complete.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from . import protocol as P
@@ -31,6 +32,7 @@ class SinkBuffer:
         self._last_frontier = 0  # the frontier before it became empty
         self.max_seen = -1
         self.released = 0  # every epoch before this was released by a reader
+        self.on_release: Callable[[int], None] | None = None  # makes a new release point durable
         self.done = False  # no epoch will be added or completed any more
         self._reads: list[tuple[Any, int, int]] = []  # (reader, start, end) waiting for their epochs
 
@@ -83,7 +85,8 @@ class SinkBuffer:
             self._last_frontier = frontier
         for t in sorted(t for t in self._open if frontier is None or t < frontier):
             parts = self._open.pop(t)
-            if parts:
+            # Invariant: an epoch a reader released is never served again (a restart recomputes it).
+            if parts and t >= self.released:
                 self.complete.setdefault(t, []).extend(parts)
 
     def complete_before(self) -> int:
@@ -104,7 +107,10 @@ class SinkBuffer:
                     released=self.released, retained=sorted(self.complete))
 
     def release(self, upto: int) -> None:
-        """A reader committed every epoch before ``upto``: forget them."""
+        """A reader committed every epoch before ``upto``: forget them (a new release point is
+        made durable first, with checkpoints)."""
+        if upto > self.released and self.on_release is not None:
+            self.on_release(upto)
         self.released = max(self.released, upto)
         for t in [t for t in self.complete if t < self.released]:
             del self.complete[t]
