@@ -139,6 +139,9 @@ class Shared:
         # With checkpoints (megaphone.checkpoint): the bins changed since their last offer (state or
         # timers touched by S, or installed by a migration), and the participant. None without.
         self.dirty: set[int] | None = None
+        # With checkpoints, per dirty bin the state keys changed since its last offer, where known
+        # (state_machine records them; None: unknown, the bin is offered whole).
+        self.changed: dict[int, set | None] | None = None
         self.checkpoint: BinCheckpoint | None = None
 
     def table_at(self, time: Any) -> Table:
@@ -157,6 +160,10 @@ class Shared:
         self.bins[b] = None
         if self.dirty is not None:
             self.dirty.discard(b)  # offered up to now by the checkpoint's cut; the new owner marks it
+        if self.changed is not None:
+            self.changed.pop(b, None)
+        if self.checkpoint is not None:
+            self.checkpoint.left(b)
         for t, _, _ in bin_.timers:
             self.left_times.append(t)
             bins_at = self.timer_bins.get(t)

@@ -3,7 +3,13 @@
 Every S operator of a job with checkpoints (``worker.checkpoint`` not None) registers one
 participant, named ``megaphone/<operator name>`` on every worker. At each checkpoint epoch ``e``
 it offers its *dirty* bins, keys ``"bin/<b>"``, each value the bin's state and pending timers as
-bytes of the operator's :class:`~megaphone.bins.StateCodec` (:meth:`~megaphone.bins.StateCodec.dumps`);
+bytes of the operator's :class:`~megaphone.bins.StateCodec` (:meth:`~megaphone.bins.StateCodec.dumps`).
+Where the operator knows which state keys changed (``state_machine``: its records' keys) and they
+are few (at most a quarter of the bin), a bin goes as a *delta* instead, key ``"bin/<b>/d<slot>"``:
+the changed keys' values, the deleted keys and the bin's pending timers, slots filled in order after
+a whole write; after ``MAX_DELTAS - b % 4`` deltas the bin is written whole again, which deletes its
+slots (whoever wrote them: a bin that moved in is always written whole first). A restore applies a
+bin's deltas to its whole state in epoch order;
 worker 0 adds the routing table in force at ``e`` to the offer's meta. At start from a checkpoint
 each worker loads only the bins it owns, under the checkpoint's table (same worker count) or a
 balanced one (rescaling), and F starts with that table.
@@ -28,6 +34,7 @@ dirty for a later epoch.
 """
 from __future__ import annotations
 
+import pickle
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -42,9 +49,18 @@ if TYPE_CHECKING:
 _NAMES: weakref.WeakKeyDictionary[Checkpointer, set[str]] = weakref.WeakKeyDictionary()
 
 
+#: Deltas a bin may have on top of its whole state before it is written whole again.
+MAX_DELTAS = 8
+
+
 def bin_key(b: int) -> str:
-    """The checkpoint key of bin ``b``."""
+    """The checkpoint key of bin ``b``'s whole state."""
     return f"bin/{b}"
+
+
+def delta_key(b: int, slot: int) -> str:
+    """The checkpoint key of delta ``slot`` of bin ``b`` (slots fill in order after a whole write)."""
+    return f"bin/{b}/d{slot}"
 
 
 def _participant_name(ck: Checkpointer, name: str) -> str:
@@ -74,6 +90,8 @@ class BinCheckpoint:
         self.timers: list[tuple[int, Any, Any]] = []  # restored (bin, time, payload), for S to hold
         self.closed = False
         shared.dirty = set()
+        shared.changed = {}
+        self.chain: dict[int, int] = {}  # bin -> deltas written since its whole state (bins whose chain this worker knows)
         if resume > 0 and ck.manifest is not None:
             self._restore(ck.manifest)
 
@@ -107,10 +125,26 @@ class BinCheckpoint:
         # A dirty bin held here but another worker's at e arrived after e: it stays dirty.
         offered = [b for b in sorted(shared.dirty) if table[b] == me and bins[b] is not None]
         changed: dict[str, bytes | None] = {}
+        keys_changed = shared.changed if shared.changed is not None else {}
         for b in offered:
             bin_ = bins[b]
             assert bin_ is not None
+            keys = keys_changed.pop(b, None)
+            used = self.chain.get(b)
+            # Bins differ in how many deltas they take before a whole write (MAX_DELTAS - b % 4), so
+            # that bins written whole together (the first checkpoint) are rewritten at different ones.
+            if keys is not None and used is not None and used < MAX_DELTAS - b % 4 and len(keys) * 4 <= len(bin_.state):
+                # A delta: only the keys changed since the last offer (state_machine's records say which).
+                state = bin_.state
+                changed[delta_key(b, used)] = pickle.dumps(
+                    (e, {k: state[k] for k in keys if k in state}, [k for k in keys if k not in state],
+                     bin_.pending_timers()), protocol=pickle.HIGHEST_PROTOCOL)
+                self.chain[b] = used + 1
+                continue
             changed[bin_key(b)] = codec.dumps(bin_.state, bin_.pending_timers())  # the copy; written later
+            for slot in range(MAX_DELTAS):  # a whole bin replaces its deltas (whoever wrote them)
+                changed[delta_key(b, slot)] = None
+            self.chain[b] = 0
         shared.dirty.difference_update(offered)
         meta: dict[str, Any] = {"k": shared.k, "peers": shared.peers}
         if me == 0:
@@ -126,15 +160,30 @@ class BinCheckpoint:
         shared.config_tables[0] = table
         codec = shared.codec
         mine = [b for b, w in enumerate(table) if w == shared.index]
-        blobs = self.participant.restore(keys=[bin_key(b) for b in mine])
+        wanted = [bin_key(b) for b in mine] + [delta_key(b, slot) for b in mine for slot in range(MAX_DELTAS)]
+        blobs = self.participant.restore(keys=wanted)
         bins: list[Bin | None] = [None] * shared.nbins
         for b in mine:
             bin_ = bins[b] = Bin(codec.empty())
             blob = blobs.get(bin_key(b))
+            timers: list = []
             if blob is not None:
                 bin_.state, timers = codec.loads(blob)
-                self.timers += [(b, t, p) for t, p in timers]
+                self.chain[b] = 0
+            deltas = sorted(pickle.loads(blobs[delta_key(b, slot)]) for slot in range(MAX_DELTAS)
+                            if delta_key(b, slot) in blobs)
+            for _epoch, updates, deleted, timers in deltas:  # in epoch order; the last one's timers hold
+                bin_.state.update(updates)
+                for k in deleted:
+                    bin_.state.pop(k, None)
+            if deltas:
+                self.chain[b] = len(deltas)
+            self.timers += [(b, t, p) for t, p in timers]
         shared.bins = bins
+
+    def left(self, b: int) -> None:
+        """Bin ``b`` left this worker: the next owner writes it whole."""
+        self.chain.pop(b, None)
 
     def _restored_table(self, manifest: Manifest) -> Table:
         shared = self.shared

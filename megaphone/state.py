@@ -17,6 +17,8 @@ from timely import Capability, Frontier, InputCapability, OperatorInput, Operato
 
 from .bins import Bin, MegaphoneError, Shared
 
+_NONE: Any = object()  # no entry
+
 PerRecord = Callable[[dict, Any, list], None]  # (bin state, record, outputs): state_machine's fold
 #: Applies a whole complete time at once, for an operator without timers: ``(time, batches per
 #: input, shared) -> output records``, the bins being ``shared.bins`` (state_machine, columnar).
@@ -37,6 +39,14 @@ def per_record_time(key: Any, apply: PerRecord) -> PerTime:
                 raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
             if dirty is not None:
                 dirty.update(bins)
+                changed = shared.changed
+                if changed is not None:  # the state keys each bin changed (its records' keys)
+                    for b, r in zip(bins, batch):
+                        keys = changed.get(b, _NONE)
+                        if keys is _NONE:
+                            changed[b] = {r[0]}
+                        elif keys is not None:
+                            keys.add(r[0])
             for b, r in zip(bins, batch):
                 bin_ = bins_held[b]
                 if bin_ is None:
@@ -124,6 +134,8 @@ class StateOperator:
                 bin_.state = codec.install(bin_.state, part)
                 if shared.dirty is not None:
                     shared.dirty.add(b)  # moved in: this worker offers it at its next checkpoint epoch
+                if shared.changed is not None:
+                    shared.changed[b] = None  # whole
                 for t, p in timers:
                     self.add_timer(b, bin_, t, p, cap)
             shared.events.append({"kind": "install", "time": cap.time, "bins": sorted(bins), "entries": entries,
@@ -199,6 +211,9 @@ class StateOperator:
         touched = sorted(set(groups) | set(due))
         if shared.dirty is not None:
             shared.dirty.update(touched)
+            if shared.changed is not None:
+                for b in touched:
+                    shared.changed[b] = None  # keys unknown here: offered whole
         for b in touched:
             bin_ = shared.bins[b] or shared.bin_for_record(b, t)
             timers = []

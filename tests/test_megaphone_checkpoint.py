@@ -10,6 +10,7 @@ continues to the output of one uninterrupted run.
 """
 from __future__ import annotations
 
+import pickle
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -27,6 +28,11 @@ from timely import columnar, routing
 pytestmark = pytest.mark.timeout(300)
 
 EVERY = 2
+
+
+def written(changed: dict) -> list[str]:
+    """The keys an offer writes (not those it deletes: a whole bin deletes its delta slots)."""
+    return sorted(k for k, v in changed.items() if v is not None)
 
 
 @dataclass
@@ -62,7 +68,7 @@ class FakeParticipant:
         expected = self.offers[-1][0] + self.every if self.offers else None
         assert expected is None or epoch == expected, f"{self.name}: offered {epoch} after {self.offers[-1][0]}"
         assert epoch > 0 and epoch % self.every == 0 and not self.closed
-        assert all(isinstance(v, bytes) for v in changed.values())
+        assert all(v is None or isinstance(v, bytes) for v in changed.values())  # None deletes a key
         self.offers.append((epoch, dict(changed), meta))
 
 
@@ -131,7 +137,11 @@ def commit(previous: Checkpoint | None, offers: list[dict], peers: int, stop: in
             keys = Counter(k for changed in by_epoch[epoch] for k in changed)
             assert all(c == 1 for c in keys.values()), f"epoch {epoch}: offered twice: {keys}"
             for changed in by_epoch[epoch]:
-                blobs[name].update(changed)
+                for k, v in changed.items():
+                    if v is None:
+                        blobs[name].pop(k, None)
+                    else:
+                        blobs[name][k] = v
     return Checkpoint(last, peers, blobs, meta)
 
 
@@ -220,10 +230,19 @@ def delayed_unary(stream, control):
 
 
 def decode_counts(ck: Checkpoint, name: str) -> dict:
-    """The key -> count of every bin in a checkpoint of :func:`count_sm`."""
+    """The key -> count of every bin in a checkpoint of :func:`count_sm`: each bin's whole state
+    with its deltas (``bin/<b>/d<slot>``) applied in epoch order."""
     merged: dict = {}
-    for blob in ck.blobs[name].values():
+    blobs = ck.blobs[name]
+    for key, blob in blobs.items():
+        if key.count("/") != 1:
+            continue  # a delta, applied with its bin
         state, timers = ROWS.loads(blob)
+        for _epoch, updates, deleted, timers in sorted(pickle.loads(v) for d, v in blobs.items()
+                                                       if d.startswith(key + "/d")):
+            state.update(updates)
+            for k in deleted:
+                state.pop(k)
         assert timers == []
         merged.update(state)
     return merged
@@ -248,7 +267,7 @@ def test_offers_hold_exactly_the_dirty_bins():
     quiet = next(x for x in range(16) if x % 2 == 1 and x not in {bin_of[a], bin_of[b], bin_of[c]})
     moves = {4: {quiet: 0}}  # from worker 1 to worker 0, at checkpoint epoch 4
     results = run(job(epochs, moves, k, count_sm), 2)
-    offers = [dict((e, (sorted(ch), m)) for e, ch, m in r[1]["megaphone/Counts"]) for r in results]
+    offers = [dict((e, (written(ch), m)) for e, ch, m in r[1]["megaphone/Counts"]) for r in results]
     expect: dict = defaultdict(set)
     for e, recs in enumerate(epochs):
         for key, _ in recs:
@@ -258,7 +277,7 @@ def test_offers_hold_exactly_the_dirty_bins():
         offered = set()
         for w in (0, 1):
             names = offers[w][e][0]
-            bins = {int(n[4:]) for n in names}
+            bins = {int(n.split("/")[1]) for n in names}
             assert all(w == (0 if x == quiet and e >= 4 else x % 2) for x in bins), f"epoch {e}: not the owner's"
             assert not offered & bins, f"epoch {e}: a bin offered twice"
             offered |= bins
@@ -340,6 +359,29 @@ def test_rescale_2_3_1_through_checkpoints(build):
     moves = [random_moves(n, k, 2, 6), random_moves(n, k, 3, 7, at=range(5, n, 2)), {}]
     out, cks = restored_run(epochs, moves, k, build, [2, 3, 1], [5, 9, n])
     assert [c.epoch for c in cks] == [4, 8]
+    assert out == whole
+
+
+def test_few_changed_keys_go_as_deltas_that_restore_and_rescale():
+    """A bin of many keys of which a checkpoint interval changes few is written as a delta of those
+    keys (up to MAX_DELTAS, then whole again); checkpoints with deltas hold the sequential state,
+    and restores (same count, then 3 and 1 workers) continue to the uninterrupted output."""
+    from megaphone.checkpoint import MAX_DELTAS
+
+    n, k = 30, 1
+    epochs = [[(key, 1) for key in range(300)]] + [[(e % 5, 1), (100 + e, 2)] for e in range(1, n)]
+    results = run(job(epochs, {}, k, count_sm), 2)
+    offers = [r[1] for r in results]
+    kinds = Counter("delta" if "/d" in key else "whole" for w in offers for _, ch, _ in w["megaphone/Counts"]
+                    for key, v in ch.items() if v is not None)
+    assert kinds["delta"] >= 2 * MAX_DELTAS and kinds["whole"] >= 4, kinds  # deltas, then whole again
+    for last in range(EVERY, n, EVERY):
+        cut = [{name: [o for o in os if o[0] <= last] for name, os in w.items()} for w in offers]
+        assert decode_counts(commit(None, cut, 2, last + 1), "megaphone/Counts") == sequential_counts(epochs, last)
+    whole = outputs(run(job(epochs, {}, k, count_sm), 1))
+    out, cks = restored_run(epochs, [{}, {}, {}, {}], k, count_sm, [2, 2, 3, 1], [9, 15, 23, n])
+    assert [c.epoch for c in cks] == [8, 14, 22]
+    assert any("/d" in key for c in cks for key in c.blobs["megaphone/Counts"])  # restored from deltas
     assert out == whole
 
 
@@ -447,14 +489,14 @@ def test_f_offers_the_lagging_epochs_before_a_bin_leaves():
     sides = two_workers_at_rest()
     shipped = migrate(sides, 5, (1, 1))
     (w0, p0, _), (w1, p1, _) = sides
-    assert [(e, sorted(ch)) for e, ch, _ in p0.offers] == [(2, ["bin/0"]), (4, [])]
+    assert [(e, written(ch)) for e, ch, _ in p0.offers] == [(2, ["bin/0"]), (4, [])]
     assert ROWS.loads(p0.offers[0][1]["bin/0"])[0] == {"x": 1}
     assert p0.offers[1][2]["table"] == [0, 1]  # the table in force at 4: before the move
-    assert [(e, sorted(ch)) for e, ch, _ in p1.offers] == [(2, []), (4, [])]
+    assert [(e, written(ch)) for e, ch, _ in p1.offers] == [(2, []), (4, [])]
     install(w1, shipped)
     w1.checkpoint.offer_before(7)
     w0.checkpoint.offer_before(7)
-    assert [(e, sorted(ch)) for e, ch, _ in p1.offers][-1] == (6, ["bin/0"])
+    assert [(e, written(ch)) for e, ch, _ in p1.offers][-1] == (6, ["bin/0"])
     assert p0.offers[-1][:2] == (6, {})  # the old owner neither offers nor deletes it
 
 
@@ -465,14 +507,14 @@ def test_a_bin_held_before_its_epoch_is_offered_by_its_owner_at_that_epoch_only(
     sides = two_workers_at_rest()
     (w0, p0, _), (w1, p1, _) = sides
     shipped = migrate(sides, 4, (1, 1), extract_on=(0,))
-    assert [(e, sorted(ch)) for e, ch, _ in p0.offers] == [(2, ["bin/0"])]
+    assert [(e, written(ch)) for e, ch, _ in p0.offers] == [(2, ["bin/0"])]
     install(w1, shipped)
     w1.checkpoint.offer_before(3)
     assert p1.offers[-1][:2] == (2, {})  # not worker 1's at 2
     w0.checkpoint.offer_before(5)
     w1.checkpoint.offer_before(5)
     assert p0.offers[-1][:2] == (4, {})
-    assert sorted(p1.offers[-1][1]) == ["bin/0"] and p1.offers[-1][2] == {"k": 1, "peers": 2}
+    assert written(p1.offers[-1][1]) == ["bin/0"] and p1.offers[-1][2] == {"k": 1, "peers": 2}
 
 
 # -- end to end: real checkpoints, replayable sources, processes ------------------------------------
