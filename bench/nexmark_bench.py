@@ -25,6 +25,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -89,8 +90,12 @@ def bench_one(args: argparse.Namespace, q: str, flex: bool, rate: int, params: d
                 time_dilation=args.time_dilation, seed=args.seed, k=args.k,
                 migration=migration if flex else None, migrate_at=args.migrate_at if flex else [],
                 params=params, in_flight_auctions=args.in_flight_auctions, progress=not args.no_progress, gc=args.gc,
-                history=args.history, skew=args.skew)
-    label = f"{q}-{'megaphone' if flex else 'native'}" + (f"-{migration}" if spec.migration else "")
+                history=args.history, skew=args.skew,
+                # a fresh directory per run: a run never resumes another's checkpoint
+                checkpoint=tempfile.mkdtemp(prefix="run-", dir=args.checkpoint) if args.checkpoint else None,
+                checkpoint_every=args.checkpoint_every)
+    label = (f"{q}-{'megaphone' if flex else 'native'}" + (f"-{migration}" if spec.migration else "")
+             + ("-checkpoints" if spec.checkpoint else ""))
     runs = f" (run {run_no + 1} of {args.runs})" if args.runs > 1 else ""
     print(f"\n== {label}{runs}: {rate:,} events/s for {args.duration:g} s on {args.workers} worker(s)"
           + (f" after {args.history:g} s of history" if args.history else ""), flush=True)
@@ -152,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                          "(default 0.5: a quarter of all bins, the paper's uniform -> uniform_skew)")
     ap.add_argument("--in-flight-auctions", type=int, default=100,
                     help="auctions open at any time (default 100, as Beam's NEXMark); the state of Q4 and Q6")
+    ap.add_argument("--checkpoint", metavar="DIR", default=None,
+                    help="take checkpoints (Megaphone's bins) under DIR, a fresh directory per run")
+    ap.add_argument("--checkpoint-every", type=int, default=1000, metavar="N",
+                    help="epochs (of 1 ms) between checkpoints (default 1000: every second)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--param", action="append", default=[], help="query parameter override, e.g. q8_window_ms=60000")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "nexmark"),

@@ -66,6 +66,8 @@ class Spec:
     gc: str = "tuned"  # the collector in the measured phase: one of timely.collector.POLICIES
     history: float = 0.0  # seconds of the schedule replayed closed-loop before the measured phase
     skew: float = 0.5  # migrations: the fraction of its bins each odd worker gives away (0.5: 25% of all)
+    checkpoint: str | None = None  # take checkpoints there (timely.checkpoint): Megaphone's bins
+    checkpoint_every: int = 1000  # epochs (of 1 ms) between checkpoints
 
     def config(self) -> Config:
         """The generator configuration."""
@@ -287,4 +289,5 @@ def run(spec: Spec, *, start: str = "fork", timeout: float | None = None) -> lis
     """Run ``spec`` on ``spec.workers`` workers; one result dict per worker. ``start`` and
     ``timeout`` are ``timely.execute``'s: ``start="spawn"`` makes every worker a fresh interpreter,
     so that its memory readings are its own run's."""
-    return timely.execute(functools.partial(worker_main, spec), workers=spec.workers, start=start, timeout=timeout)
+    return timely.execute(functools.partial(worker_main, spec), workers=spec.workers, start=start, timeout=timeout,
+                          checkpoint=spec.checkpoint, checkpoint_every=spec.checkpoint_every)
