@@ -129,3 +129,25 @@ class LaunchedJob:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._out.close()
+
+
+def stop_jvm() -> None:
+    """End the Spark JVM this process started and reap it (it would otherwise outlive the tests)."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    if gateway is None or proc is None:
+        return
+    try:
+        gateway.shutdown()
+    finally:
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+        if proc.stdin:
+            proc.stdin.close()  # the gateway server exits when its stdin closes
+        try:
+            proc.wait(30)
+        except Exception:
+            proc.kill()
+            proc.wait()

@@ -22,7 +22,7 @@ pytest.importorskip("pyarrow")
 if not (os.environ.get("JAVA_HOME") or shutil.which("java")):
     pytest.skip("Spark needs Java 17+ (no java on PATH, no JAVA_HOME)", allow_module_level=True)
 
-from sparkjob import LaunchedJob
+from sparkjob import LaunchedJob, stop_jvm
 
 import spark_bridge
 
@@ -34,26 +34,13 @@ EXAMPLE = ROOT / "examples" / "spark_columnar.py"
 def spark():
     """A loopback-only local Spark (two cores, a task may be attempted twice), stopped with its
     JVM after the module."""
-    from pyspark import SparkContext
 
     from spark_bridge.session import local_session
 
     session = local_session("local[2,2]", "timely-columnar-tests", python_path=str(ROOT), register=False)
     yield session
     session.stop()
-    gateway = SparkContext._gateway
-    proc = getattr(gateway, "proc", None)
-    if gateway is not None and proc is not None:
-        gateway.shutdown()
-        SparkContext._gateway = None
-        SparkContext._jvm = None
-        if proc.stdin:
-            proc.stdin.close()  # the gateway server exits when its stdin closes
-        try:
-            proc.wait(30)
-        except Exception:
-            proc.kill()
-            proc.wait()
+    stop_jvm()
 
 
 def columnar_job(tmp_path: Path) -> LaunchedJob:

@@ -21,7 +21,7 @@ if not (os.environ.get("JAVA_HOME") or __import__("shutil").which("java")):
     pytest.skip("Spark needs Java 17+ (no java on PATH, no JAVA_HOME)", allow_module_level=True)
 pq = pytest.importorskip("pyarrow.parquet")
 
-from sparkjob import LaunchedJob, ThreadJob  # noqa: E402
+from sparkjob import LaunchedJob, ThreadJob, stop_jvm  # noqa: E402
 
 import spark_bridge  # noqa: E402
 
@@ -37,29 +37,7 @@ def spark():
     session = local_session("local[2,2]", "timely-bridge-tests", python_path=ROOT, register=False)
     yield session
     session.stop()
-    _stop_jvm()
-
-
-def _stop_jvm() -> None:
-    """End the Spark JVM this process started and reap it (it would otherwise outlive the tests)."""
-    from pyspark import SparkContext
-
-    gateway = SparkContext._gateway
-    proc = getattr(gateway, "proc", None)
-    if gateway is None or proc is None:
-        return
-    try:
-        gateway.shutdown()
-    finally:
-        SparkContext._gateway = None
-        SparkContext._jvm = None
-        if proc.stdin:
-            proc.stdin.close()  # the gateway server exits when its stdin closes
-        try:
-            proc.wait(30)
-        except Exception:
-            proc.kill()
-            proc.wait()
+    stop_jvm()
 
 
 def agg_job(scope, ep):

@@ -226,8 +226,8 @@ def spark():
     if not (os.environ.get("JAVA_HOME") or shutil.which("java")):
         pytest.skip("Spark needs Java 17+ (no java on PATH, no JAVA_HOME)")
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark import SparkContext
     from pyspark.sql import SparkSession
+    from sparkjob import stop_jvm
 
     from spark_bridge.session import local_session
 
@@ -238,19 +238,7 @@ def spark():
     session = local_session("local[2,2]", "timely-recovery-tests", python_path=str(ROOT), register=False)
     yield session
     session.stop()
-    gateway = SparkContext._gateway
-    proc = getattr(gateway, "proc", None)
-    if gateway is not None and proc is not None:
-        gateway.shutdown()
-        SparkContext._gateway = None
-        SparkContext._jvm = None
-        if proc.stdin:
-            proc.stdin.close()  # the gateway server exits when its stdin closes
-        try:
-            proc.wait(30)
-        except Exception:
-            proc.kill()
-            proc.wait()
+    stop_jvm()
 
 
 WRITES = 9
