@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-no-fuzz", dest="check_fuzz", action="store_false",
                     help="run --check on the engine's ordinary schedule instead of the schedule fuzzer")
     args = ap.parse_args(argv)
+    if args.checkpoint:
+        os.makedirs(args.checkpoint, exist_ok=True)
 
     print("command:", shlex.join([sys.executable, *sys.argv]))
     print(f"os.cpu_count(): {os.cpu_count()}  python: {sys.version.split()[0]}", flush=True)

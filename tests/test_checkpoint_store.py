@@ -20,6 +20,13 @@ changes = st.lists(st.dictionaries(st.sampled_from(KEYS), st.one_of(st.none(), s
                    min_size=2, max_size=2)
 
 
+def commit_ready(store: Store, peers: int):
+    """Commit what every worker reached (there must be something)."""
+    found = store.committable(peers)
+    assert found is not None
+    return store.commit(found[0], peers, found[1])
+
+
 def disjoint(per_worker: list[dict]) -> list[dict]:
     """Each key offered by one worker only (the store refuses a key offered twice)."""
     seen: set = set()
@@ -41,7 +48,7 @@ def test_incremental_checkpoints_match_a_dictionary_model(tmp_path, history: lis
         per_worker = disjoint(per_worker)
         for w, changed in enumerate(per_worker):
             store.write_part(epoch, w, {"S": changed}, meta={"w": w})
-        manifest = store.commit(epoch, 2, store.ready(epoch, 2))
+        manifest = commit_ready(store, 2)
         for changed in per_worker:
             for k, v in changed.items():
                 if v is None:
@@ -66,21 +73,21 @@ def test_incremental_checkpoints_match_a_dictionary_model(tmp_path, history: lis
 def test_a_checkpoint_in_progress_leaves_the_previous_one_whole(tmp_path) -> None:
     store = Store(str(tmp_path), "job")
     store.write_part(1, 0, {"S": {"a": b"1"}})
-    first = store.commit(1, 1, store.ready(1, 1))
+    first = commit_ready(store, 1)
     store.write_part(2, 0, {"S": {"a": b"2"}})  # crash before the commit
     assert store.latest().epoch == 1 and store.read(store.latest(), "S") == {"a": b"1"}
     # A run after the crash does not commit the crashed run's part with its own.
     again = Store(str(tmp_path), "job", run="second")
-    assert again.ready(2, 1) is None
+    assert again.committable(1) is None
     again.write_part(2, 0, {"S": {"a": b"two"}})
-    assert again.read(again.commit(2, 1, again.ready(2, 1)), "S") == {"a": b"two"}
+    assert again.read(commit_ready(again, 1), "S") == {"a": b"two"}
     assert first.epoch == 1
 
 
 def test_a_failed_write_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -> None:
     store = Store(str(tmp_path), "job")
     store.write_part(1, 0, {"S": {"a": b"1"}})
-    store.commit(1, 1, store.ready(1, 1))
+    commit_ready(store, 1)
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -95,7 +102,7 @@ def test_a_failed_write_names_the_file_and_keeps_the_previous_checkpoint(tmp_pat
 def test_foreign_corrupt_and_missing_files_are_refused(tmp_path) -> None:
     store = Store(str(tmp_path), "job-a")
     store.write_part(1, 0, {"S": {"a": b"payload"}})
-    manifest = store.commit(1, 1, store.ready(1, 1))
+    manifest = commit_ready(store, 1)
     with pytest.raises(CheckpointError, match="belongs to another job"):
         Store(str(tmp_path), "job-b").latest()
     part = tmp_path / "parts" / manifest.states["S"]["a"][0]
@@ -119,11 +126,89 @@ def test_a_key_offered_twice_is_an_error(tmp_path) -> None:
     store.write_part(1, 0, {"S": {"a": b"x"}})
     store.write_part(1, 1, {"S": {"a": b"y"}})
     with pytest.raises(CheckpointError, match="key 'a' offered by workers 0 and 1"):
-        store.commit(1, 2, store.ready(1, 2))
+        commit_ready(store, 2)
 
 
 def test_any_fsspec_url() -> None:
     store = Store(f"memory://ckpt-{uuid.uuid4().hex}", "job")
     store.write_part(3, 0, {"S": {"k": b"v"}, "T": {}})
-    manifest = store.commit(3, 1, store.ready(3, 1))
+    manifest = commit_ready(store, 1)
     assert store.latest().epoch == 3 and store.read(manifest, "S") == {"k": b"v"}
+
+
+# per epoch, per worker: None (nothing changed: only the reached marker moves) or the changed keys
+sparse = st.lists(st.lists(st.one_of(st.none(), st.dictionaries(st.sampled_from(KEYS), st.binary(max_size=8),
+                                                                  min_size=1, max_size=3)),
+                           min_size=2, max_size=2), min_size=1, max_size=8)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(history=sparse, commit_after=st.lists(st.booleans(), min_size=8, max_size=8),
+       lag=st.integers(0, 3))
+def test_epochs_without_changes_write_no_part_and_commits_cover_them(tmp_path, history, commit_after, lag) -> None:
+    """Workers hand over every epoch: a part where something changed, else a reached marker. The
+    committer commits the newest epoch all workers reached, whatever lags; each manifest equals the
+    model's state at its epoch."""
+    store = Store(str(tmp_path / uuid.uuid4().hex), "job")
+    reached = [0, 0]
+    for i, per_worker in enumerate(history):
+        epoch = i + 1
+        for w, changed in enumerate(disjoint([c or {} for c in per_worker])):
+            if w == 1 and i >= len(history) - lag:
+                continue  # worker 1 lags behind: it has not handed these epochs over yet
+            if per_worker[w] is None or not changed:
+                store.write_reached(w, epoch)
+            else:
+                store.write_part(epoch, w, {"S": changed})
+            reached[w] = epoch
+        if commit_after[i] or i == len(history) - 1:
+            found = store.committable(2)
+            if min(reached) <= (store.latest().epoch if store.latest() else 0):
+                assert found is None
+                continue
+            assert found is not None and found[0] == min(reached)
+            manifest = store.commit(found[0], 2, found[1])
+            expect: dict[str, bytes] = {}
+            for e in range(1, found[0] + 1):  # the changes of every epoch up to the commit, in order
+                for w, changed in enumerate(disjoint([c or {} for c in history[e - 1]])):
+                    expect.update(changed)
+            assert store.read(manifest, "S") == expect
+    parts = os.listdir(f"{store.root}/parts")
+    assert len(parts) <= sum(c is not None for per_worker in history for c in per_worker)
+
+
+def test_a_far_jump_of_the_frontier_writes_one_marker_not_a_part_per_epoch(tmp_path) -> None:
+    from timely.checkpoint.checkpointer import Checkpointer
+    ck = Checkpointer(Store(str(tmp_path), "timely"), every=1, index=0, peers=1)
+    p = ck.register("s")
+    p.offer(1, {"k": b"v"}, meta={"m": 1})
+    for e in range(2, 20_001):  # the frontier jumped 20,000 epochs with nothing changed
+        p.offer(e, {}, meta={"m": 1})
+    ck.flush()
+    assert ck.stats()["parts"] == 1
+    m = Store(str(tmp_path), "timely").latest()
+    assert m.epoch == 20_000 and Store(str(tmp_path), "timely").read(m, "s") == {"k": b"v"}
+    assert len(os.listdir(tmp_path / "parts")) == 1
+    ck.close()
+
+
+def test_a_worker_that_finished_holds_no_commit_back(tmp_path) -> None:
+    store = Store(str(tmp_path), "job")
+    store.write_part(1, 0, {"S": {"a": b"1"}})
+    store.write_reached(0, 1, final=True)  # worker 0's inputs ended at epoch 1
+    store.write_part(3, 1, {"S": {"b": b"2"}})
+    epoch, parts = store.committable(2)
+    assert epoch == 3 and store.read(store.commit(epoch, 2, parts), "S") == {"a": b"1", "b": b"2"}
+
+
+def test_garbage_collection_spares_markers_being_written_and_drops_other_runs(tmp_path) -> None:
+    old = Store(str(tmp_path), "job", run="old")
+    old.write_reached(0, 1)
+    store = Store(str(tmp_path), "job", run="new")
+    store.write_part(1, 0, {"S": {"a": b"1"}})
+    pending = tmp_path / "pending"
+    [mine] = [p for p in os.listdir(pending) if p.startswith("e")]
+    in_flight = pending / (mine.replace("e00000000000000000001-w00000", "r-w00000") + ".tmp-0123abcd")
+    in_flight.write_bytes(b"{}")  # this run's reached marker, half written (renamed when done)
+    commit_ready(store, 1)
+    assert os.listdir(pending) == [in_flight.name]  # the old run's marker is gone, the write in flight stays

@@ -9,13 +9,16 @@ the dataflows are built) offer their changed state at each checkpoint epoch, in 
 participant has offered epoch ``e`` (or has closed: its state will not change again), the worker's
 part of ``e`` is handed to a background thread, which writes it with
 :meth:`Store.write_part <timely.checkpoint.store.Store.write_part>` (the part file, then its pending
-marker). The dataflow goes on meanwhile: an offer only blocks when :data:`MAX_QUEUED` parts are
-already waiting to be written (:meth:`Checkpointer.stats` measures both). Worker 0 checks from its
-step loop, at most every :data:`POLL` seconds and without blocking (the check itself runs on the
-background thread), whether every worker's part of its oldest uncommitted epoch is durable, and then
-commits the manifest. An error on the background thread (a full disk, a permission) fails the job at
-the worker's next step with a :class:`CheckpointError` naming the file; the previous checkpoint stays
-usable, as a manifest is written only once all of its parts are.
+marker). An epoch where nothing changed (no blob offered, the same meta) writes no part: the worker
+only moves its reached marker (:meth:`Store.write_reached`), once per run of such epochs, so a far
+jump of the frontier costs one small write. The dataflow goes on meanwhile: an offer only blocks when
+:data:`MAX_QUEUED` writes are already waiting (:meth:`Checkpointer.stats` measures both). Worker 0
+checks from its step loop, at most every :data:`POLL` seconds and without blocking (the check itself
+runs on the background thread), for the newest epoch every worker has reached
+(:meth:`Store.committable`), and commits its manifest. An error on the background thread (a full
+disk, a permission) fails the job at the worker's next step with a :class:`CheckpointError` naming
+the file; the previous checkpoint stays usable, as a manifest is written only once all of its parts
+are.
 
 Job identity: every part records the shape digests of the worker's dataflows; a restart whose
 dataflows have other shapes than those of the checkpoint is refused (:meth:`Checkpointer.built`).
@@ -32,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .store import CheckpointError, Manifest, Store
+from .store import Blob, CheckpointError, Manifest, Store
 
 __all__ = ["CheckpointConfig", "Checkpointer", "Participant", "JOB", "POLL", "MAX_QUEUED"]
 
@@ -93,11 +96,13 @@ class Participant:
             return {}
         return {w: v[self.name] for w, v in m.meta.items() if isinstance(v, dict) and self.name in v}
 
-    def offer(self, epoch: int, changed: dict[str, bytes | None], meta: Any = None) -> None:
+    def offer(self, epoch: int, changed: dict[str, Blob | None], meta: Any = None) -> None:
         """Offer this participant's state at checkpoint epoch ``epoch``: the blobs of the keys changed
-        since its last offer (``None`` deletes a key), already serialised (they are written later, on
-        another thread), and JSON-able ``meta``. Every checkpoint epoch above the resume epoch is
-        offered once, in order; epochs at or below :attr:`Checkpointer.resume_epoch` are ignored."""
+        since its last offer (``None`` deletes a key) and JSON-able ``meta``. A blob is bytes, or a
+        callable the writer thread calls for them (the participant then keeps what it reads
+        unchanged until the call, or makes the call itself first: copy on write). Every checkpoint
+        epoch above the resume epoch is offered once, in order; epochs at or below
+        :attr:`Checkpointer.resume_epoch` are ignored."""
         ck = self._ck
         if not ck.is_checkpoint(epoch):
             raise ValueError(f"participant '{self.name}': {epoch} is not a checkpoint epoch (every {ck.every})")
@@ -138,11 +143,15 @@ class Checkpointer:
         self.resume_epoch: int = 0 if self.manifest is None else self.manifest.epoch
         self._participants: dict[str, Participant] = {}
         self._digests: list[str] = []
-        self._offers: dict[int, dict[str, tuple[dict[str, bytes | None], Any]]] = {}
+        self._offers: dict[int, dict[str, tuple[dict[str, Blob | None], Any]]] = {}
         self._meta: dict[str, Any] = {}  # each participant's meta in the newest part handed to the writer
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(MAX_QUEUED)
         self._error: BaseException | None = None
-        self._written: list[int] = []  # worker 0: epochs whose part is queued or written, not yet committed
+        self._handed: int = self.resume_epoch  # the newest epoch handed to the writer (part or reached)
+        self._committed: int = self.resume_epoch  # worker 0: the newest epoch committed
+        self._last_meta: Any = None  # the meta of the newest part handed to the writer
+        self._reached: list[int] | None = None  # the open reached marker's epoch, while its write is queued
+        self._reached_lock = threading.Lock()
         self._commit_busy = False
         self._next_poll = 0.0
         self._delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
@@ -206,7 +215,7 @@ class Checkpointer:
         at most every :data:`POLL` seconds. Never blocks."""
         if self._error is not None:
             raise self._error
-        if self.index != 0 or self._commit_busy or not self._written:
+        if self.index != 0 or self._commit_busy or self._handed <= self._committed:
             return
         now = time.monotonic()
         if now < self._next_poll:
@@ -222,9 +231,11 @@ class Checkpointer:
         """When the job ends: write the parts offered so far, wait for them (worker 0: and, up to
         :data:`FINAL_COMMIT_WAIT` seconds, for their commit); raise a background error."""
         self._advance(final=True)
+        self._queue.put(functools.partial(self.store.write_reached, self.index, self._handed, True))
         self._queue.join()
         deadline = time.monotonic() + FINAL_COMMIT_WAIT
-        while self.index == 0 and self._written and self._error is None and time.monotonic() < deadline:
+        while (self.index == 0 and self._handed > self._committed and self._error is None
+               and time.monotonic() < deadline):
             self.poll()
             time.sleep(POLL / 2)
         self._queue.join()
@@ -242,7 +253,7 @@ class Checkpointer:
             self._thread.join(5.0)
 
     # -- internals --------------------------------------------------------------------------------
-    def _offer(self, p: Participant, epoch: int, changed: dict[str, bytes | None], meta: Any) -> None:
+    def _offer(self, p: Participant, epoch: int, changed: dict[str, Blob | None], meta: Any) -> None:
         self._offers.setdefault(epoch, {})[p.name] = (changed, meta)
         self._advance()
 
@@ -258,13 +269,27 @@ class Checkpointer:
             states = {name: changed for name, (changed, _) in offers.items()}
             self._meta.update({name: meta for name, (_, meta) in offers.items()})
             meta = {**self._meta, _OWN: {"dataflows": list(self._digests), "peers": self.peers}}
+            self._handed = epoch
+            if meta == self._last_meta and not any(states.values()):
+                # Nothing changed since the newest part: move the reached marker instead. Invariant
+                # (the committer relies on it): a reached marker is written only after every part of an
+                # earlier epoch, so an open marker is extended only until the next part is queued.
+                with self._reached_lock:
+                    if self._reached is not None:
+                        self._reached[0] = epoch
+                        continue
+                    self._reached = [epoch]
+                task: Callable[[], None] = functools.partial(self._write_reached, self._reached)
+            else:
+                with self._reached_lock:
+                    self._reached = None
+                self._last_meta = meta
+                task = functools.partial(self._write, epoch, states, meta)
             began = time.monotonic()
-            self._queue.put(functools.partial(self._write, epoch, states, meta))
+            self._queue.put(task)
             blocked = time.monotonic() - began
             self._stats["offer_block_s"] += blocked
             self._stats["offer_block_max_s"] = max(self._stats["offer_block_max_s"], blocked)
-            if self.index == 0:
-                self._written.append(epoch)  # until committed
 
     def _writer(self) -> None:
         """The background thread: run queued writes and commit checks, one at a time, in order."""
@@ -282,13 +307,13 @@ class Checkpointer:
             finally:
                 self._queue.task_done()
 
-    def _write(self, epoch: int, states: dict[str, dict[str, bytes | None]], meta: dict) -> None:
+    def _write(self, epoch: int, states: dict[str, dict[str, Blob | None]], meta: dict) -> None:
         began = time.monotonic()
         if self._delay:
             time.sleep(self._delay)
-        self.store.write_part(epoch, self.index, states, meta)
+        record = self.store.write_part(epoch, self.index, states, meta)
         took = time.monotonic() - began
-        size = sum(len(b) for changed in states.values() for b in changed.values() if b is not None)
+        size = sum(ref[1] for entries in record["states"].values() for ref in entries.values() if ref is not None)
         s = self._stats
         s["parts"] += 1
         s["bytes"] += size
@@ -296,18 +321,22 @@ class Checkpointer:
         s["write_max_s"] = max(s["write_max_s"], took)
         log.debug("worker %d: part of epoch %d written (%d bytes, %.3f s)", self.index, epoch, size, took)
 
+    def _write_reached(self, reached: list[int]) -> None:
+        with self._reached_lock:
+            if self._reached is reached:
+                self._reached = None  # later empty epochs queue a marker write of their own
+            epoch = reached[0]
+        self.store.write_reached(self.index, epoch)
+
     def _try_commit(self) -> None:
-        """Worker 0, on the background thread: commit the oldest written epoch if every part is durable."""
+        """Worker 0, on the background thread: commit the newest epoch every worker has reached."""
         try:
-            epoch = self._written[0]
-            parts = self.store.ready(epoch, self.peers)
-            if parts is None:
+            found = self.store.committable(self.peers)
+            if found is None:
                 return
-            for part in parts:
-                if (part.get("meta") or {}).get(_OWN, {}).get("peers") != self.peers:
-                    return  # a stale marker of an earlier run: it is overwritten when this run writes the part
+            epoch, parts = found
             manifest = self.store.commit(epoch, self.peers, parts)
-            self._written.pop(0)
+            self._committed = epoch
             self._stats["commits"] += 1
             log.debug("checkpoint of epoch %d committed (%s)", epoch, manifest.path)
         finally:

@@ -7,6 +7,9 @@ Layout under the checkpoint URL (a local directory or any fsspec URL)::
                                     one worker's changed blobs at that epoch (and a JSON index)
     pending/e<epoch:020d>-w<worker:05d>-<run>.json
                                     "this worker's part is durable": read by the committer
+    pending/r-w<worker:05d>-<run>.json
+                                    "this worker reached epoch r": its state is unchanged since its
+                                    newest part (written instead of empty parts, overwritten)
 
 A **part** file is ``MAGIC``, an 8-byte little-endian index length, the JSON index
 ``{state: {key: [offset, length, crc32] | null}}`` (``null``: the key was deleted) and the blobs.
@@ -14,6 +17,14 @@ A **manifest** maps every live ``(state, key)`` to ``[file, offset, length, crc3
 the previous manifest with the parts of its epoch applied, so a checkpoint writes only what changed
 since the last one and still names everything (incremental). It also records the job, the epoch,
 the worker count and each worker's meta, and a SHA-256 of its own body.
+
+A worker writes a part only at an epoch where something changed; across epochs without changes it
+only moves its *reached* marker. A worker has *reached* ``r`` once it has handed over every epoch up
+to ``r`` (its newest part's epoch or its reached marker, whichever is higher); its state at any
+checkpoint epoch ``e <= r`` is its parts up to ``e`` applied in order. So the committer commits
+``e = min`` over the workers of what they reached, with every part up to ``e`` (several per worker
+when commits lag, none from a worker that changed nothing): a far jump of the frontier costs one
+marker, not one part per epoch passed.
 
 Invariants: a manifest is written only after every part it names is durable, and it is the last
 thing a checkpoint writes; so a crash at any moment leaves the previous manifest complete. Garbage
@@ -29,7 +40,7 @@ import struct
 import time
 import uuid
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import fsspec
@@ -40,6 +51,9 @@ from ..errors import TimelyError
 FORMAT = 1
 MAGIC = b"TIMELYCKPT\x00\x01"
 _LEN = struct.Struct("<Q")
+
+#: A blob to write: its bytes, or a callable that makes them (called on the writing thread).
+Blob = bytes | bytearray | memoryview | Callable[[], bytes]
 
 
 class CheckpointError(TimelyError, RuntimeError):
@@ -123,10 +137,11 @@ class Store:
         except OSError as e:
             raise CheckpointError(f"cannot write checkpoint file {path}: {e}") from e
 
-    def write_part(self, epoch: int, worker: int, states: Mapping[str, Mapping[str, bytes | None]],
+    def write_part(self, epoch: int, worker: int, states: Mapping[str, Mapping[str, Blob | None]],
                    meta: Any = None) -> dict:
-        """Write ``worker``'s changed blobs at ``epoch`` (``None`` deletes a key) as one durable
-        part file, then its pending marker; return the part record (JSON-able)."""
+        """Write ``worker``'s changed blobs at ``epoch`` (``None`` deletes a key; a callable is
+        called here for its bytes) as one durable part file, then its pending marker; return the
+        part record (JSON-able)."""
         index: dict[str, dict[str, list | None]] = {}
         blobs: list[bytes] = []
         offset = 0
@@ -136,7 +151,7 @@ class Store:
                 if blob is None:
                     entries[key] = None
                     continue
-                blob = bytes(blob)
+                blob = bytes(blob() if callable(blob) else blob)
                 entries[key] = [offset, len(blob), zlib.crc32(blob)]
                 blobs.append(blob)
                 offset += len(blob)
@@ -152,36 +167,69 @@ class Store:
     def _pending(self, epoch: int, worker: int) -> str:
         return self._path("pending", f"e{epoch:020d}-w{worker:05d}-{self._run}.json")
 
-    def ready(self, epoch: int, peers: int) -> list[dict] | None:
-        """The part records of every worker at ``epoch``, or ``None`` while some are missing."""
-        names = [self._pending(epoch, w) for w in range(peers)]
+    def write_reached(self, worker: int, epoch: int, final: bool = False) -> None:
+        """Record that ``worker`` reached ``epoch`` with no change since its newest part (written
+        after that part is durable). ``final``: its state changes no more (its inputs ended), so it
+        holds no later commit back."""
+        self._write_atomic(self._path("pending", f"r-w{worker:05d}-{self._run}.json"),
+                           json.dumps({"reached": epoch, "final": final}).encode())
+
+    def committable(self, peers: int) -> tuple[int, list[dict]] | None:
+        """The newest epoch that every worker of this run has reached, above the newest manifest,
+        with the part records (several per worker, or none) up to it; ``None`` when there is none."""
         try:
-            if not all(self.fs.exists(n) for n in names):
+            names = [n.rsplit("/", 1)[-1] for n in self.fs.ls(self._path("pending"), detail=False)]
+            reached: dict[int, tuple[int, bool]] = {}
+            markers: list[tuple[int, int, str]] = []
+            suffix = f"-{self._run}.json"
+            for n in names:
+                if not n.endswith(suffix):
+                    continue  # another run's marker
+                if n.startswith("r-w"):
+                    r = json.loads(self.fs.cat_file(self._path("pending", n)))
+                    reached[int(n[3:8])] = (int(r["reached"]), bool(r["final"]))
+                elif n.startswith("e") and n[1:21].isdigit():
+                    markers.append((int(n[1:21]), int(n[23:28]), n))
+            for epoch, w, _ in markers:
+                r, final = reached.get(w, (0, False))
+                reached[w] = (max(r, epoch), final)
+            if len(reached) < peers or any(w >= peers for w in reached):
                 return None
-            return [json.loads(self.fs.cat_file(n)) for n in names]
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read the pending parts of epoch {epoch} in {self.url}: {e}") from e
+            open_ = [r for r, final in reached.values() if not final]
+            epoch = min(open_) if open_ else max(r for r, _ in reached.values())
+            previous = self._manifest_paths()
+            if epoch <= (previous[-1][0] if previous else 0):
+                return None
+            parts = [json.loads(self.fs.cat_file(self._path("pending", n)))
+                     for e, _, n in sorted(markers) if e <= epoch]
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"cannot read the pending parts in {self._path('pending')}: {e}") from e
+        return epoch, parts
 
     def commit(self, epoch: int, peers: int, parts: Iterable[dict]) -> Manifest:
-        """Write the manifest of ``epoch`` from the previous one and ``parts`` (one per worker),
-        atomically; then collect garbage. A key offered by two workers is an error."""
+        """Write the manifest of ``epoch`` from the previous one and ``parts`` (the part records of
+        epochs up to ``epoch`` since the previous one, see :meth:`committable`), applied in epoch
+        order, atomically; then collect garbage. A worker's meta is that of its newest part (or the
+        previous manifest's). A key offered by two workers at one epoch is an error."""
         previous = self.latest()
         if previous is not None and previous.epoch >= epoch:
             raise CheckpointError(f"checkpoint of epoch {epoch} would not be newer than {previous.path}")
         states: dict[str, dict[str, list]] = {s: dict(refs) for s, refs in (previous.states if previous else {}).items()}
         meta: dict[str, Any] = {}
-        owner: dict[tuple[str, str], int] = {}
-        for part in parts:
-            if part["epoch"] != epoch:
-                raise CheckpointError(f"part {part['file']} is of epoch {part['epoch']}, not {epoch}")
+        if previous is not None and previous.peers == peers:
+            meta = {str(w): m for w, m in previous.meta.items()}
+        owner: dict[tuple[int, str, str], int] = {}
+        for part in sorted(parts, key=lambda p: (p["epoch"], p["worker"])):
+            if part["epoch"] > epoch:
+                raise CheckpointError(f"part {part['file']} is of epoch {part['epoch']}, after {epoch}")
             meta[str(part["worker"])] = part["meta"]
             for state, entries in part["states"].items():
                 refs = states.setdefault(state, {})
                 for key, ref in entries.items():
-                    other = owner.setdefault((state, key), part["worker"])
+                    other = owner.setdefault((part["epoch"], state, key), part["worker"])
                     if other != part["worker"]:
                         raise CheckpointError(f"state '{state}' key {key!r} offered by workers {other} and "
-                                              f"{part['worker']} at epoch {epoch}")
+                                              f"{part['worker']} at epoch {part['epoch']}")
                     if ref is None:
                         refs.pop(key, None)
                     else:
@@ -257,7 +305,7 @@ class Store:
     # -- garbage collection --------------------------------------------------------------------
     def _collect(self, newest: Manifest) -> None:
         """Delete manifests beyond the newest ``keep``, the parts no kept manifest needs (of epochs
-        up to ``newest``'s), and the pending markers of those epochs."""
+        up to ``newest``'s), the pending markers of those epochs and other runs' reached markers."""
         paths = self._manifest_paths()
         kept = [self.load(p) if p != newest.path else newest for _, p in paths[-self.keep:]]
         needed = set().union(*(m.files() for m in kept))
@@ -267,6 +315,8 @@ class Store:
             for sub in ("parts", "pending"):
                 for n in self.fs.ls(self._path(sub), detail=False):
                     base = n.rsplit("/", 1)[-1]
+                    if base.startswith("r-w") and base.endswith(".json") and not base.endswith(f"-{self._run}.json"):
+                        self.fs.rm_file(n)  # another run's reached marker (not a write in progress: .tmp-)
                     if not base.startswith("e") or not base[1:21].isdigit():
                         continue
                     if int(base[1:21]) <= newest.epoch and base not in needed:
