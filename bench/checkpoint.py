@@ -129,6 +129,8 @@ def steady_figures(args: argparse.Namespace, results: list[dict]) -> dict:
         out["ser_s"] = [sum(o[1] for o in os_) for os_ in offers]
         out["pickle_s"] = [sum(o[3] for o in os_) for os_ in offers]
         out["ser_max"] = [max((o[1] for o in os_ if o[0] != first), default=0.0) for os_ in offers]
+        out["cow_s"] = [sum(r["log"].get("cow", [])) for r in results]
+        out["cow_max"] = [max(r["log"].get("cow", []), default=0.0) for r in results]
         out["block_s"] = [r["stats"]["offer_block_s"] for r in results]
         out["write_s"] = [r["stats"]["write_s"] for r in results]
         out["checkpoints"] = checkpoints(args, results)
@@ -182,10 +184,13 @@ def steady(args: argparse.Namespace, scratch: Path) -> list[str]:
     print(f"\n1. steady state, median of {args.runs} run(s)\n"
           + align([["checkpoints", "p50 ms", "p99 ms", "max ms", "rec/s", "rec/CPU-s"], *rows]))
     stall = [[f"worker {w}", fmt_med(ck, "ser_s", w), fmt_med(ck, "pickle_s", w), fmt_med(ck, "ser_max", w, 1e3),
-              fmt_med(ck, "block_s", w), fmt_med(ck, "write_s", w)] for w in range(args.workers)]
+              fmt_med(ck, "cow_s", w), fmt_med(ck, "cow_max", w, 1e3), fmt_med(ck, "block_s", w),
+              fmt_med(ck, "write_s", w)] for w in range(args.workers)]
     print(f"stall per worker over the {args.duration:g} s run (median; offers: Megaphone's, on the dataflow thread, "
-          f"of which pickling the dirty bins; max: one offer after the first):\n"
-          + align([["", "offers s", "pickling s", "offer max ms", "offer_block_s", "write_s (background)"], *stall]))
+          f"of which pickling on that thread; max: one offer after the first; copy on write: whole bins S "
+          f"touched before the writer serialised them, pickled on the dataflow thread):\n"
+          + align([["", "offers s", "pickling s", "offer max ms", "copy-on-write s", "cow max ms", "offer_block_s",
+                    "write_s (background)"], *stall]))
     r99 = med["checkpoints"]["p99"] / med["none"]["p99"]
     loss = 1 - med["checkpoints"]["tput"] / med["none"]["tput"]
     loss_cpu = 1 - med["checkpoints"]["per_cpu"] / med["none"]["per_cpu"]

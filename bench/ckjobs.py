@@ -20,6 +20,7 @@ import json
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from itertools import repeat
@@ -44,13 +45,14 @@ def instrument(log: dict[str, list]) -> Iterator[None]:
     """While active, append ``[epoch, seconds, bytes, wall time]`` of every part write to
     ``log["parts"]``, ``[epoch, seconds, wall time]`` of every commit to ``log["commits"]`` and
     ``[epoch, seconds, dirty bins, seconds pickling]`` of every Megaphone offer (serialising the
-    dirty bins with ``StateCodec.dumps``, then handing them over) to ``log["offers"]``."""
-    from megaphone.bins import StateCodec
-    from megaphone.checkpoint import BinCheckpoint
+    dirty bins (:class:`~megaphone.checkpoint.BinDump`) on the dataflow thread, then handing them over) to
+    ``log["offers"]``, and the seconds of every whole bin serialised on the dataflow thread outside
+    an offer (copy on write: S touched it before the writer thread got to it) to ``log["cow"]``."""
+    from megaphone.checkpoint import BinCheckpoint, BinDump
     from timely.checkpoint.store import Store
 
-    write_part, commit, offer, dumps = Store.write_part, Store.commit, BinCheckpoint._offer, StateCodec.dumps
-    pickling = [0.0]  # seconds in StateCodec.dumps so far
+    write_part, commit, offer, dumps = Store.write_part, Store.commit, BinCheckpoint._offer, BinDump.__call__
+    pickling = [0.0]  # seconds serialising bins on the dataflow thread so far
 
     def timed_write(self: Store, epoch: int, worker: int, states: Any, meta: Any = None) -> dict:
         t0 = time.perf_counter()
@@ -66,25 +68,36 @@ def instrument(log: dict[str, list]) -> Iterator[None]:
         log["commits"].append([epoch, time.perf_counter() - t0, time.time()])
         return manifest
 
-    def timed_dumps(self: StateCodec, state: Any, timers: list) -> bytes:
+    in_offer = [False]
+
+    def timed_dumps(self: BinDump) -> bytes:
+        if threading.current_thread() is not threading.main_thread() or self.blob is not None:
+            return dumps(self)  # the checkpoint writer's thread (no stall), or serialised already
         t0 = time.perf_counter()
         try:
-            return dumps(self, state, timers)
+            return dumps(self)
         finally:
-            pickling[0] += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            pickling[0] += took
+            if not in_offer[0]:
+                log.setdefault("cow", []).append(took)
 
     def timed_offer(self: BinCheckpoint, e: int) -> None:
         dirty = len(self.shared.dirty or ())
         t0, p0 = time.perf_counter(), pickling[0]
-        offer(self, e)
+        in_offer[0] = True
+        try:
+            offer(self, e)
+        finally:
+            in_offer[0] = False
         log["offers"].append([e, time.perf_counter() - t0, dirty, pickling[0] - p0])
 
     patched = (timed_write, timed_commit, timed_offer, timed_dumps)
-    Store.write_part, Store.commit, BinCheckpoint._offer, StateCodec.dumps = patched  # type: ignore[method-assign]
+    Store.write_part, Store.commit, BinCheckpoint._offer, BinDump.__call__ = patched  # type: ignore[method-assign]
     try:
         yield
     finally:
-        Store.write_part, Store.commit, BinCheckpoint._offer, StateCodec.dumps = (  # type: ignore[method-assign]
+        Store.write_part, Store.commit, BinCheckpoint._offer, BinDump.__call__ = (  # type: ignore[method-assign]
             write_part, commit, offer, dumps)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import islice
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
@@ -143,6 +143,16 @@ class Shared:
         # (state_machine records them; None: unknown, the bin is offered whole).
         self.changed: dict[int, set | None] | None = None
         self.checkpoint: BinCheckpoint | None = None
+        # With checkpoints, the bins offered whole and not yet serialised (megaphone.checkpoint.BinDump):
+        # thaw(b) before anything changes bin b's state.
+        self.frozen: dict[int, Callable[[], bytes]] = {}
+
+    def thaw(self, b: int) -> None:
+        """Bin ``b`` is about to change: serialise it first if a checkpoint still needs its state
+        at the cut (copy on write). A no-op for the other bins."""
+        dump = self.frozen.get(b)
+        if dump is not None:
+            dump()  # removes it from frozen
 
     def table_at(self, time: Any) -> Table:
         """The routing table in force at ``time`` (ARCHITECTURE 5.3: records route by their own time)."""

@@ -3,12 +3,16 @@
 Every S operator of a job with checkpoints (``worker.checkpoint`` not None) registers one
 participant, named ``megaphone/<operator name>`` on every worker. At each checkpoint epoch ``e``
 it offers its *dirty* bins, keys ``"bin/<b>"``, each value the bin's state and pending timers as
-bytes of the operator's :class:`~megaphone.bins.StateCodec` (:meth:`~megaphone.bins.StateCodec.dumps`).
+bytes of the operator's :class:`~megaphone.bins.StateCodec` (:meth:`~megaphone.bins.StateCodec.dumps`),
+serialised by the checkpoint's writer thread, or by S just before it changes a bin still waiting
+(copy on write, :class:`BinDump`), so an offer does not stall the dataflow for every dirty bin.
 Where the operator knows which state keys changed (``state_machine``: its records' keys) and they
 are few (at most a quarter of the bin), a bin goes as a *delta* instead, key ``"bin/<b>/d<slot>"``:
 the changed keys' values, the deleted keys and the bin's pending timers, slots filled in order after
-a whole write; after ``MAX_DELTAS - b % 4`` deltas the bin is written whole again, which deletes its
-slots (whoever wrote them: a bin that moved in is always written whole first). A restore applies a
+a whole write. Whole rewrites take turns: checkpoint number ``n`` rewrites whole the bins with
+``b % P == n % P`` (``P = min(MAX_DELTAS, bins)``), so every checkpoint rewrites about ``1/P`` of the
+state and a bin has fewer than ``P`` deltas; a whole write deletes the bin's slots (all of them when
+another worker may have written them: a bin that moved in is always written whole first). A restore applies a
 bin's deltas to its whole state in epoch order;
 worker 0 adds the routing table in force at ``e`` to the offer's meta. At start from a checkpoint
 each worker loads only the bins it owns, under the checkpoint's table (same worker count) or a
@@ -35,6 +39,7 @@ dirty for a later epoch.
 from __future__ import annotations
 
 import pickle
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -44,13 +49,15 @@ from .table import Table, TableError, balanced, validate_table
 
 if TYPE_CHECKING:
     from timely.checkpoint import Checkpointer, Manifest
+    from timely.checkpoint.store import Blob
 
 #: Participant names handed out per checkpointer (two operators of one name get ``#2``, ...).
 _NAMES: weakref.WeakKeyDictionary[Checkpointer, set[str]] = weakref.WeakKeyDictionary()
 
 
-#: Deltas a bin may have on top of its whole state before it is written whole again.
-MAX_DELTAS = 8
+#: Deltas a bin may have on top of its whole state: each checkpoint rewrites whole the bins whose
+#: turn it is, 1 in ``min(MAX_DELTAS, bins)``.
+MAX_DELTAS = 32
 
 
 def bin_key(b: int) -> str:
@@ -74,6 +81,44 @@ def _participant_name(ck: Checkpointer, name: str) -> str:
         candidate = f"{base}#{n}"
     taken.add(candidate)
     return candidate
+
+
+class BinDump:
+    """A bin at a checkpoint's cut (whole, or the delta of ``keys`` at epoch ``epoch``), serialised
+    on first call: by the checkpoint's writer thread, or by S on the dataflow thread just before it
+    changes the bin (copy on write, :meth:`Shared.thaw`). So an offer does not stall the dataflow
+    for every dirty bin: the bins are serialised one at a time in the background, and only a bin
+    touched before its turn is serialised on the dataflow thread. Invariant: between the offer and
+    the call, nothing changes the bin's state object (every change goes through ``thaw`` first)."""
+
+    __slots__ = ("shared", "b", "state", "timers", "epoch", "keys", "blob", "lock")
+
+    def __init__(self, shared: Shared, b: int, state: Any, timers: list, epoch: int = 0,
+                 keys: set | None = None) -> None:
+        self.shared = shared
+        self.b = b
+        self.state = state
+        self.timers = timers  # a copy already (pending_timers)
+        self.epoch = epoch
+        self.keys = keys
+        self.blob: bytes | None = None
+        self.lock = threading.Lock()
+
+    def __call__(self) -> bytes:
+        with self.lock:
+            if self.blob is None:
+                state, keys = self.state, self.keys
+                if keys is None:
+                    self.blob = self.shared.codec.dumps(state, self.timers)
+                else:
+                    self.blob = pickle.dumps((self.epoch, {k: state[k] for k in keys if k in state},
+                                              [k for k in keys if k not in state], self.timers),
+                                             protocol=pickle.HIGHEST_PROTOCOL)
+                self.state = None  # the bin may change from now on
+                frozen = self.shared.frozen
+                if frozen.get(self.b) is self:
+                    del frozen[self.b]
+            return self.blob
 
 
 class BinCheckpoint:
@@ -121,28 +166,30 @@ class BinCheckpoint:
         me = shared.index
         table = shared.table_at(e)  # final: every configuration up to e is compiled (module doc)
         bins = shared.bins
-        codec = shared.codec
         # A dirty bin held here but another worker's at e arrived after e: it stays dirty.
         offered = [b for b in sorted(shared.dirty) if table[b] == me and bins[b] is not None]
-        changed: dict[str, bytes | None] = {}
+        changed: dict[str, Blob | None] = {}
         keys_changed = shared.changed if shared.changed is not None else {}
+        period = min(MAX_DELTAS, shared.nbins)
         for b in offered:
             bin_ = bins[b]
             assert bin_ is not None
             keys = keys_changed.pop(b, None)
             used = self.chain.get(b)
-            # Bins differ in how many deltas they take before a whole write (MAX_DELTAS - b % 4), so
-            # that bins written whole together (the first checkpoint) are rewritten at different ones.
-            if keys is not None and used is not None and used < MAX_DELTAS - b % 4 and len(keys) * 4 <= len(bin_.state):
+            # Whole rewrites take turns: bin b's turn is every checkpoint number n with n = b mod
+            # period, so each checkpoint rewrites 1/period of the bins (not all of them at once after
+            # the first checkpoint wrote them all) and a chain never outgrows its slots.
+            turn = (e // self.every) % period == b % period
+            shared.thaw(b)  # the writer lags a whole checkpoint behind: the older dump first
+            if keys is not None and used is not None and not turn and len(keys) * 4 <= len(bin_.state):
                 # A delta: only the keys changed since the last offer (state_machine's records say which).
-                state = bin_.state
-                changed[delta_key(b, used)] = pickle.dumps(
-                    (e, {k: state[k] for k in keys if k in state}, [k for k in keys if k not in state],
-                     bin_.pending_timers()), protocol=pickle.HIGHEST_PROTOCOL)
+                changed[delta_key(b, used)] = shared.frozen[b] = BinDump(shared, b, bin_.state,
+                                                                         bin_.pending_timers(), e, keys)
                 self.chain[b] = used + 1
                 continue
-            changed[bin_key(b)] = codec.dumps(bin_.state, bin_.pending_timers())  # the copy; written later
-            for slot in range(MAX_DELTAS):  # a whole bin replaces its deltas (whoever wrote them)
+            changed[bin_key(b)] = shared.frozen[b] = BinDump(shared, b, bin_.state, bin_.pending_timers())
+            # A whole bin replaces its deltas (every slot where another worker may have written them).
+            for slot in range(MAX_DELTAS if used is None else used):
                 changed[delta_key(b, slot)] = None
             self.chain[b] = 0
         shared.dirty.difference_update(offered)

@@ -38,6 +38,9 @@ def per_record_time(key: Any, apply: PerRecord) -> PerTime:
             except Exception as e:
                 raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
             if dirty is not None:
+                if shared.frozen:  # copy on write: bins a checkpoint has not serialised yet
+                    for b in set(bins).intersection(shared.frozen):
+                        shared.thaw(b)
                 dirty.update(bins)
                 changed = shared.changed
                 if changed is not None:  # the state keys each bin changed (its records' keys)
@@ -131,6 +134,7 @@ class StateOperator:
                 bin_ = shared.bins[b]
                 if bin_ is None:
                     bin_ = shared.bins[b] = Bin(codec.empty())
+                shared.thaw(b)
                 bin_.state = codec.install(bin_.state, part)
                 if shared.dirty is not None:
                     shared.dirty.add(b)  # moved in: this worker offers it at its next checkpoint epoch
@@ -216,6 +220,7 @@ class StateOperator:
                     shared.changed[b] = None  # keys unknown here: offered whole
         for b in touched:
             bin_ = shared.bins[b] or shared.bin_for_record(b, t)
+            shared.thaw(b)  # copy on write (megaphone.checkpoint.BinDump)
             timers = []
             while bin_.timers and bin_.timers[0][0] == t:
                 timers.append(heapq.heappop(bin_.timers)[2])
