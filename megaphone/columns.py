@@ -55,7 +55,7 @@ class ColumnMigratable(Migratable):
     record batches, also offered as the columnar stream ``batches``."""
 
     def __init__(self, migratable: Migratable, schema: pa.Schema | None) -> None:
-        super().__init__(migratable.stream, migratable.probe, migratable._shared)
+        super().__init__(migratable.stream, migratable.probe, migratable._shared, migratable.copied)
         self.batches = BatchStream(migratable.stream, schema)
 
 

@@ -67,6 +67,18 @@ class ControlInput:
             self._record(None, checked)
         self.handle.send_batch(move_updates(checked))
 
+    def precopy(self, assignment: Mapping[int, int]) -> None:
+        """Start copying bins ahead of a later move (``{bin: worker}``, :mod:`megaphone.precopy`):
+        the routing table does not change; a move of a bin to the worker it was copied to, once
+        :attr:`Migratable.copied <megaphone.Migratable.copied>` has passed this time, ships only
+        what changed since."""
+        with self._naming("precopy"):
+            if not isinstance(assignment, Mapping):
+                raise TableError(f"expected a {{bin: worker}} mapping, not {type(assignment).__name__} "
+                                 f"{assignment!r:.60}")
+            checked = dict(validate_move(b, w, self.nbins, self.peers) for b, w in assignment.items())
+        self.handle.send_batch([("precopy", b, w) for b, w in sorted(checked.items())])
+
     def install(self, table: Sequence[int]) -> None:
         """From the current time on, use the routing ``table``: a sequence of ``2**k`` worker
         indices, one per bin."""

@@ -56,6 +56,8 @@ class Control(Protocol):
 
     def moves(self, assignment: Mapping[int, int]) -> None: ...
 
+    def precopy(self, assignment: Mapping[int, int]) -> None: ...
+
 
 class Probe(Protocol):
     """What the controller needs of the probe on the migratable output (a ``timely.ProbeHandle``)."""
@@ -71,11 +73,15 @@ class StepEvent:
     index: int  # position of the step within its migration, from 0
     steps: int  # number of steps of that migration
     moves: Step  # {bin: worker}
-    issue_time: Any = None  # logical (control input) time at which the step was issued
+    issue_time: Any = None  # logical (control input) time at which the step was issued (the hand-over)
     issued_at: float | None = None  # wall clock (time.time()) when issued
     completed_at: float | None = None  # wall clock when the probe passed issue_time
     duration: float | None = None  # seconds from issue to completion (monotonic clock)
+    precopy: bool = False  # the bins are copied ahead, then handed over (megaphone.precopy)
+    copy_time: Any = None  # logical time at which the copy ahead was requested
+    copy_seconds: float | None = None  # seconds from the copy request to the hand-over
     _issued_mono: float | None = field(default=None, repr=False)
+    _copy_mono: float | None = field(default=None, repr=False)
 
     @property
     def bins(self) -> list[int]:
@@ -84,15 +90,15 @@ class StepEvent:
 
     @property
     def state(self) -> str:
-        """``"queued"``, ``"in_flight"`` or ``"completed"``."""
+        """``"queued"``, ``"copying"`` (ahead of the hand-over), ``"in_flight"`` or ``"completed"``."""
         if self.issued_at is None:
-            return "queued"
+            return "copying" if self.copy_time is not None else "queued"
         return "in_flight" if self.completed_at is None else "completed"
 
     def as_dict(self) -> dict[str, Any]:
         """A msgpack/JSON-friendly dict (moves as ``[[bin, worker], ...]``)."""
         d = asdict(self)
-        del d["_issued_mono"]
+        del d["_issued_mono"], d["_copy_mono"]
         d["moves"] = [[b, w] for b, w in sorted(self.moves.items())]
         d["bins"] = self.bins
         d["state"] = self.state
@@ -111,13 +117,17 @@ class Controller:
     :meth:`tick`, so durations have the resolution of the driver loop.
 
     ``control`` is a :class:`~megaphone.control.ControlInput` and ``probe`` a ``Migratable.probe``
-    (or test doubles: see :class:`Control` and :class:`Probe`).
+    (or test doubles: see :class:`Control` and :class:`Probe`). ``copied`` (``Migratable.copied``)
+    enables pre-copied migrations (``precopy=True``): each step first copies its bins ahead
+    (:meth:`ControlInput.precopy <megaphone.ControlInput.precopy>`), and is issued (handed over)
+    once ``copied`` has passed the copy's time (``what`` = ``"copying"`` before ``"issued"``).
     """
 
     def __init__(self, control: Control, probe: Probe, table: Sequence[int] | None = None,
-                 on_progress: Callable[[StepEvent, str], None] | None = None) -> None:
+                 on_progress: Callable[[StepEvent, str], None] | None = None, copied: Probe | None = None) -> None:
         self.control = control
         self.probe = probe
+        self.copied = copied
         self.nbins: int = control.nbins
         self.peers: int = control.peers
         initial = balanced(self.nbins, self.peers) if table is None else table
@@ -132,12 +142,17 @@ class Controller:
         self._pollers: list[Callable[[], object]] = []
 
     # -- queuing ------------------------------------------------------------------------------
-    def start(self, steps: Sequence[Mapping[int, int]]) -> int:
-        """Queue ``steps`` (``{bin: worker}`` dicts) as one migration; return its id.
+    def start(self, steps: Sequence[Mapping[int, int]], precopy: bool = False) -> int:
+        """Queue ``steps`` (``{bin: worker}`` dicts) as one migration; return its id. ``precopy``:
+        copy each step's bins ahead, then hand them over (needs ``copied``; bins that are small or
+        not dicts of rows move whole: :mod:`megaphone.precopy`).
 
         Every move is validated first (bin and worker exist); on error (a
         :class:`~megaphone.table.TableError`) nothing is queued. Empty steps are dropped.
         """
+        if precopy and self.copied is None:
+            raise ValueError("a pre-copied migration needs the controller's copied probe "
+                             "(Controller(..., copied=migratable.copied))")
         checked: list[Step] = []
         for i, step in enumerate(steps):
             moves = {}
@@ -152,20 +167,21 @@ class Controller:
         mid = self._migrations
         self._migrations += 1
         for i, moves in enumerate(checked):
-            ev = StepEvent(migration=mid, index=i, steps=len(checked), moves=moves)
+            ev = StepEvent(migration=mid, index=i, steps=len(checked), moves=moves, precopy=precopy)
             self.events.append(ev)
             self._queue.append(ev)
             self._planned_table = apply(self._planned_table, move_updates(moves))
         return mid
 
-    def rebalance(self, target: Sequence[int], strategy: str = "batched") -> int:
-        """Plan a migration from the planned table (after queued steps) to ``target``; queue it.
+    def rebalance(self, target: Sequence[int], strategy: str = "batched", precopy: bool = False) -> int:
+        """Plan a migration from the planned table (after queued steps) to ``target``; queue it
+        (``precopy``: see :meth:`start`).
 
         Raises :class:`~megaphone.table.TableError` for a target that is not a table of this
         controller's bins and workers, :class:`ValueError` for an unknown strategy.
         """
         target = validate_table(target, self.nbins, self.peers, "target")
-        return self.start(plan(self._planned_table, target, strategy, peers=self.peers))
+        return self.start(plan(self._planned_table, target, strategy, peers=self.peers), precopy)
 
     # -- driving ------------------------------------------------------------------------------
     def add_poller(self, poll: Callable[[], object]) -> None:
@@ -180,6 +196,13 @@ class Controller:
         for poll in self._pollers:
             poll()
         ev = self._in_flight
+        if ev is not None and ev.issue_time is None:  # copying ahead
+            assert self.copied is not None
+            if self.copied.less_equal(ev.copy_time) or self.control.closed:
+                return False
+            ev.copy_seconds = _time.monotonic() - (ev._copy_mono or 0.0)
+            self._issue(ev)
+            return True
         if ev is not None:
             if self.probe.less_equal(ev.issue_time):
                 return False  # the previous step (or the backlog behind it) is not done yet
@@ -190,6 +213,18 @@ class Controller:
         if not self._queue or self.control.closed:
             return False
         ev = self._queue.popleft()
+        self._in_flight = ev
+        if ev.precopy:
+            self.control.precopy(ev.moves)
+            ev.copy_time = self.control.time
+            ev._copy_mono = _time.monotonic()
+            self._notify(ev, "copying")
+            return True
+        self._issue(ev)
+        return True
+
+    def _issue(self, ev: StepEvent) -> None:
+        """Send the step's moves at the control input's current time (a hand-over, after a copy)."""
         self.control.moves(ev.moves)
         ev.issue_time = self.control.time
         ev.issued_at = _time.time()
@@ -197,7 +232,6 @@ class Controller:
         self._in_flight = ev
         self._issued_table = apply(self._issued_table, move_updates(ev.moves))
         self._notify(ev, "issued")
-        return True
 
     def _notify(self, ev: StepEvent, what: str) -> None:
         if self.on_progress is not None:

@@ -47,11 +47,14 @@ def _key_fn(key: Any) -> Any:
 
 class Migratable:
     """A migratable operator's handle: ``stream`` (its output), ``probe`` (on that output),
-    ``routing_table()`` and ``events`` (per-step migration records of this worker)."""
+    ``copied`` (the copies ahead), ``routing_table()`` and ``events`` (per-step migration records
+    of this worker)."""
 
-    def __init__(self, stream: Stream, probe: ProbeHandle, shared: Shared) -> None:
+    def __init__(self, stream: Stream, probe: ProbeHandle, shared: Shared, copied: ProbeHandle) -> None:
         self.stream = stream
         self.probe = probe
+        #: Passes a time once every copy ahead requested at it is staged (:mod:`megaphone.precopy`).
+        self.copied = copied
         self._shared = shared
 
     def routing_table(self) -> Table:
@@ -115,19 +118,21 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
     probe = ProbeHandle()
     ident = Summary.identity(1)
 
-    # F: inputs data_0..data_{n-1}, control; outputs data_0..data_{n-1}, state.
+    # F: inputs data_0..data_{n-1}, control; outputs data_0..data_{n-1}, state, copy (ahead of a
+    # hand-over: megaphone.precopy).
     fb = OperatorBuilder(scope, f"{name} F")
-    f_outs, f_streams = zip(*(fb.new_output() for _ in range(n + 1)))
-    f_data = [fb.new_input(s, None, [[ident] if o == i else [] for o in range(n + 1)]) for i, s in enumerate(streams)]
-    # The control input is broadcast: every F sees every update. It connects only to the state output.
-    f_ctrl = fb.new_input(ctrl_stream, Broadcast(), [[] for _ in range(n)] + [[ident]])
+    f_outs, f_streams = zip(*(fb.new_output() for _ in range(n + 2)))
+    f_data = [fb.new_input(s, None, [[ident] if o == i else [] for o in range(n + 2)]) for i, s in enumerate(streams)]
+    # The control input is broadcast: every F sees every update. It connects only to the state and copy outputs.
+    f_ctrl = fb.new_input(ctrl_stream, Broadcast(), [[] for _ in range(n)] + [[ident], [ident]])
     fb.set_frontier_interest(True)
-    f_op = RoutingOperator(shared, n, f_ctrl.frontier, probe, chunk)
+    copied = ProbeHandle()
+    f_op = RoutingOperator(shared, n, f_ctrl.frontier, probe, chunk, copied, fb.activator)
 
     def build_f(caps: list[Capability]) -> Callable[[], None]:
         for c in caps:
             c.drop()
-        return lambda: f_op.run(f_data, f_ctrl, list(f_outs[:n]), f_outs[n])
+        return lambda: f_op.run(f_data, f_ctrl, list(f_outs[:n]), f_outs[n], f_outs[n + 1])
 
     fb.build(build_f)
 
@@ -138,10 +143,16 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
             parts[r[0]].append(r)
         return parts
 
+    # S: outputs the records and an ack stream (no records) whose frontier follows the copy input
+    # alone: the copy input holds no record back, and a probe on the ack stream tells the controller
+    # that every copy ahead of a time is staged.
     sb = OperatorBuilder(scope, name)
     s_out, s_stream = sb.new_output()
-    s_data = [sb.new_input(f_streams[i], pact(key, shared)) for i, key in enumerate(keys)]
-    s_state = sb.new_input(f_streams[n], Distribute(route_state))
+    _, ack_stream = sb.new_output()
+    served: list[list[Summary]] = [[ident], []]
+    s_data = [sb.new_input(f_streams[i], pact(key, shared), served) for i, key in enumerate(keys)]
+    s_state = sb.new_input(f_streams[n], Distribute(route_state), served)
+    s_copy = sb.new_input(f_streams[n + 1], Distribute(route_state), [[], [ident]])
     sb.set_frontier_interest(True)
     shared.s_activator = sb.activator
     s_op = StateOperator(shared, keys, fold, [i.frontier for i in s_data] + [s_state.frontier], per_time)
@@ -154,12 +165,14 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
                 s_op.add_timer(b, bin_, t, p, caps[0])
             shared.checkpoint.timers = []
         caps[0].drop()
-        return lambda: s_op.run(s_data, s_state, s_out)
+        caps[1].drop()
+        return lambda: s_op.run(s_data, s_state, s_out, s_copy)
 
     sb.build(build_s)
     out = s_stream.probe_with(probe)
+    ack_stream.probe_with(copied)
     probe.watch(fb.activator)  # F wakes up when S's output frontier moves
-    return Migratable(out, probe, shared)
+    return Migratable(out, probe, shared, copied)
 
 
 def unary(stream: Stream, control: Any, key: Any, fold: Callable, k: int | None = None,

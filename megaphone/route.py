@@ -10,46 +10,58 @@ from __future__ import annotations
 import time as _time
 from typing import Any
 
-from timely import Capability, Frontier, OperatorInput, OperatorOutput, ProbeHandle
+from timely import Activator, Capability, Frontier, OperatorInput, OperatorOutput, ProbeHandle
 
 from .bins import Shared
+from .precopy import PreCopier
 from .table import Table, TableError, apply, canonical, moved_bins, validate_update
 
 
 class RoutingOperator:
     """F: routes records by the configuration in force at their time; ships bins at migration times."""
 
-    def __init__(self, shared: Shared, n: int, ctrl_frontier: Frontier, probe: ProbeHandle, chunk: int) -> None:
+    def __init__(self, shared: Shared, n: int, ctrl_frontier: Frontier, probe: ProbeHandle, chunk: int,
+                 copied: ProbeHandle, activator: Activator) -> None:
         self.shared = shared
         self.n = n
         self.ctrl_frontier = ctrl_frontier
         self.probe = probe
         self.chunk = chunk
-        self.ctrl_pending: dict[Any, tuple[Any, list]] = {}
+        self.copied = copied  # passes t0 once every copy ahead requested at t0 is staged (megaphone.precopy)
+        self.activator = activator
+        self.precopier = PreCopier(shared)
+        self.ctrl_pending: dict[Any, tuple[Any, list, Any]] = {}
         self.to_extract: list[tuple[Any, tuple, tuple, Any]] = []
         self.stash: dict[Any, tuple[list, list]] = {}  # time -> (caps per input, batches per input)
 
     def run(self, data_in: list[OperatorInput], ctrl_in: OperatorInput, data_out: list[OperatorOutput],
-            state_out: OperatorOutput) -> None:
-        """One activation: compile configurations, ship moving bins, route or stash data."""
+            state_out: OperatorOutput, copy_out: OperatorOutput) -> None:
+        """One activation: compile configurations, ship moving bins, route or stash data, copy ahead."""
         shared = self.shared
         ctrl_frontier = self.ctrl_frontier
-        # 1. Control ingest: hold a capability at each control time on the state output.
+        # 1. Control ingest: hold a capability at each control time on the state and copy outputs.
         for cap, batch in ctrl_in:
-            entry = self.ctrl_pending.get(cap.time)
-            if entry is None:
-                entry = self.ctrl_pending[cap.time] = (cap.retain(self.n), [])
-            entry[1].extend(batch)
+            pending = self.ctrl_pending.get(cap.time)
+            if pending is None:
+                pending = self.ctrl_pending[cap.time] = (cap.retain(self.n), [], cap.retain(self.n + 1))
+            pending[1].extend(batch)
         # 2. Compile configurations whose time the control frontier has passed (times total order).
         for t in sorted(self.ctrl_pending):
             if ctrl_frontier.less_equal(t):
                 break
-            cap, updates = self.ctrl_pending.pop(t)
+            cap, updates, copy_cap = self.ctrl_pending.pop(t)
             for u in updates:
                 try:
                     validate_update(u, shared.nbins, shared.peers)
                 except TableError as e:
                     raise TableError(f"'{shared.name}': {e}") from None
+            for _, b, w in sorted(u for u in updates if u[0] == "precopy"):  # copy ahead (megaphone.precopy)
+                self.precopier.start(b, w, copy_cap.delayed(t))
+            copy_cap.drop()
+            updates = [u for u in updates if u[0] != "precopy"]
+            if not updates:
+                cap.drop()
+                continue
             old = shared.config_tables[-1]
             new = apply(old, canonical(updates))  # the same table on every worker, whatever the arrival order
             shared.config_times.append(t)
@@ -83,6 +95,9 @@ class RoutingOperator:
                     for batch in batches[i]:
                         data_out[i].give_batch(caps[i], batch)
                     caps[i].drop()
+        # 6. Copy ahead for a bounded time; come back while copies have chunks left.
+        if self.precopier.copies and self.precopier.step(copy_out):
+            self.activator.activate()
         # Forget configurations no record can be routed by any more.
         # (Stashed records were consumed already: their times bound the horizon too.)
         low = [t for p in data_in for t in p.frontier] + list(self.stash)
@@ -93,6 +108,10 @@ class RoutingOperator:
             while len(shared.config_times) > 1 and shared.config_times[1] <= horizon:
                 del shared.config_times[0], shared.config_tables[0]
 
+    def _copy_delivered(self, t0: Any) -> bool:
+        """True once every copy ahead requested at ``t0`` is staged on its target."""
+        return not self.copied.less_equal(t0)
+
     def _extract(self, t: Any, old: Table, new: Table, cap: Capability, state_out: OperatorOutput) -> None:
         shared = self.shared
         me = shared.index
@@ -102,10 +121,24 @@ class RoutingOperator:
             shared.checkpoint.offer_before(t)
         started = _time.perf_counter()
         moved = moved_bins(old, new, source=me)
-        nbytes = entries = 0
+        nbytes = entries = ahead = 0
+        modes: dict[str, int] = {}
         codec = shared.codec
         for b in moved:
             bin_ = shared.take_bin(b)
+            delta, copy, why = self.precopier.hand_over(b, bin_, new[b], self._copy_delivered)
+            if copy is not None:
+                ident = (copy.t0, me)
+                ahead += copy.nbytes
+                if delta is not None:  # only what changed since the copy ahead (megaphone.precopy)
+                    state_out.give_batch(cap, [(new[b], b, delta, "delta", ident)])
+                    nbytes += len(delta)
+                    modes["delta"] = modes.get("delta", 0) + 1
+                    continue
+                state_out.give_batch(cap, [(copy.target, b, None, "drop", ident)])
+                modes["fallback"] = modes.get("fallback", 0) + 1
+                shared.events.append({"kind": "fallback", "time": t, "bins": [b], "reason": why, "worker": me})
+            modes["whole"] = modes.get("whole", 0) + 1
             timers = bin_.pending_timers()
             entries += codec.size(bin_.state)
             # Bounded chunks: one state message per chunk of at most `chunk` entries; the timers
@@ -120,4 +153,5 @@ class RoutingOperator:
         if moved:
             shared.events.append({"kind": "extract", "time": t, "bins": moved, "to": [new[b] for b in moved],
                                   "entries": entries, "bytes": nbytes, "seconds": _time.perf_counter() - started,
-                                  "worker": me})
+                                  "worker": me, "ahead_bytes": ahead, "modes": modes})
+

@@ -16,6 +16,7 @@ from typing import Any
 from timely import Capability, Frontier, InputCapability, OperatorInput, OperatorOutput, routing
 
 from .bins import Bin, MegaphoneError, Shared
+from .precopy import Staging
 
 _NONE: Any = object()  # no entry
 
@@ -98,6 +99,7 @@ class StateOperator:
         self.pending_heap: list[Any] = []  # times with pending data (lazy: checked against pending)
         self.seq = count()
         self.per_time = per_time  # the fast path of operators without timers (state_machine, columnar)
+        self.staging = Staging(shared)
 
     def hold(self, time: Any, cap: Capability | InputCapability) -> None:
         """Keep a capability at ``time`` on the output (once per time)."""
@@ -117,25 +119,47 @@ class StateOperator:
         """True once no data input and not the state input can still receive ``time``."""
         return not any(f.less_equal(time) for f in self.frontiers)
 
-    def run(self, inputs: list[OperatorInput], state_in: OperatorInput, out: OperatorOutput) -> None:
-        """One activation: install arriving bins, stash data, apply complete times in order."""
+    def run(self, inputs: list[OperatorInput], state_in: OperatorInput, out: OperatorOutput,
+            copy_in: OperatorInput) -> None:
+        """One activation: stage copies ahead, install arriving bins, stash data, apply complete
+        times in order."""
         shared = self.shared
+        staging = self.staging
+        # 0. Copies ahead (megaphone.precopy): staged, not served, until their hand-over.
+        for _, batch in copy_in:
+            for _, b, payload, ident in batch:
+                staging.chunk(b, payload, ident)
         # 1. Install arriving state first (ARCHITECTURE 5.4: installed before any later record of the bin).
         for cap, batch in state_in:
             started = _time.perf_counter()
             nbytes = entries = 0
             bins = set()
             codec = shared.codec
-            for _, b, payload in batch:
-                part, timers = codec.unpack(payload)
-                nbytes += codec.nbytes(payload)
-                entries += codec.size(part)
+            for record in batch:
+                b = record[1]
+                if len(record) == 5:  # a copy ahead's hand-over: ("delta" | "drop", its identity)
+                    if record[3] == "drop":
+                        staging.drop(b, record[4])
+                        continue
+                    if shared.bins[b] is not None:
+                        raise MegaphoneError(f"'{shared.name}': worker {shared.index} got the hand-over of bin {b}, "
+                                             "which it holds already")
+                    state, timers, n = staging.install(b, record[2], record[4])
+                    bin_ = shared.bins[b] = Bin(state)
+                    nbytes += len(record[2])
+                    entries += n
+                else:
+                    payload = record[2]
+                    staging.discard(b)  # arriving whole: a copy staged for it is stale
+                    part, timers = codec.unpack(payload)
+                    nbytes += codec.nbytes(payload)
+                    entries += codec.size(part)
+                    bin_ = shared.bins[b]
+                    if bin_ is None:
+                        bin_ = shared.bins[b] = Bin(codec.empty())
+                    shared.thaw(b)
+                    bin_.state = codec.install(bin_.state, part)
                 bins.add(b)
-                bin_ = shared.bins[b]
-                if bin_ is None:
-                    bin_ = shared.bins[b] = Bin(codec.empty())
-                shared.thaw(b)
-                bin_.state = codec.install(bin_.state, part)
                 if shared.dirty is not None:
                     shared.dirty.add(b)  # moved in: this worker offers it at its next checkpoint epoch
                 if shared.changed is not None:

@@ -6,7 +6,9 @@ Keyed state lives in ``nbins = 2**k`` bins: ``k`` is always the exponent (0 to :
 from a time on:
 
 * ``("move", bin, worker)``: bin ``bin`` moves to ``worker``;
-* ``("table", (w_0, ..., w_{nbins-1}))``: a whole new table.
+* ``("table", (w_0, ..., w_{nbins-1}))``: a whole new table;
+* ``("precopy", bin, worker)``: no change of the table; the owner of ``bin`` starts copying it to
+  ``worker`` ahead of a later move (:mod:`megaphone.precopy`).
 
 Every check that a bin, a worker or a table exists and fits the configuration is made here and
 raises :class:`TableError`. Bins and workers are integers: Python's, or any other
@@ -25,7 +27,7 @@ from timely.errors import TimelyError
 MAX_K = 16  # at most 2^16 bins
 
 Table = tuple[int, ...]
-Update = tuple[Any, ...]  # ("move", bin, worker) or ("table", Table)
+Update = tuple[Any, ...]  # ("move", bin, worker), ("precopy", bin, worker) or ("table", Table)
 
 
 class TableError(TimelyError, ValueError):
@@ -88,11 +90,12 @@ def validate_table(table: Any, nbins: int | None = None, peers: int | None = Non
 def validate_update(update: Any, nbins: int, peers: int) -> Update:
     """``update`` as a control record of ints (see the module documentation), once checked that it
     is one and that its bins and workers exist; raises :class:`TableError` otherwise."""
-    if isinstance(update, (tuple, list)) and len(update) == 3 and update[0] == "move":
-        return ("move", *validate_move(update[1], update[2], nbins, peers))
+    if isinstance(update, (tuple, list)) and len(update) == 3 and update[0] in ("move", "precopy"):
+        return (update[0], *validate_move(update[1], update[2], nbins, peers))
     if isinstance(update, (tuple, list)) and len(update) == 2 and update[0] == "table":
         return ("table", validate_table(update[1], nbins, peers))
-    raise TableError(f"control record {update!r:.200} is not ('move', bin, worker) or ('table', (worker per bin...))")
+    raise TableError(f"control record {update!r:.200} is not ('move', bin, worker), ('precopy', bin, worker) or "
+                     "('table', (worker per bin...))")
 
 
 def move_updates(moves: Mapping[int, int]) -> list[Update]:

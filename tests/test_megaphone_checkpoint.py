@@ -454,7 +454,7 @@ def two_workers_at_rest(k: int = 1):
         shared = Shared("Op", k, w, 2)
         ck = FakeCheckpointer(2)
         shared.checkpoint = BinCheckpoint(shared, ck)
-        sides.append((shared, ck.participants["megaphone/Op"], RoutingOperator(shared, 1, None, None, 8)))
+        sides.append((shared, ck.participants["megaphone/Op"], RoutingOperator(shared, 1, None, None, 8, None, None)))
     bin0 = sides[0][0].bins[0]
     assert bin0 is not None
     bin0.state["x"] = 1

@@ -1,0 +1,315 @@
+"""Pre-copy: move a large bin's state ahead of its hand-over, then only what changed meanwhile.
+
+A plain Megaphone move stops the bin at the migration time while the old owner extracts, ships and
+the new owner installs all of its state: with large bins that is the latency spike. Pre-copy splits
+the move in two (Rhino's hand-over; Kafka Streams' warm-up replicas):
+
+1. **Copy ahead.** A control record ``("precopy", b, w)`` at time ``t0`` asks the owner of bin ``b``
+   to copy it to worker ``w``. F on the owner (:class:`PreCopier`) snapshots the bin's key list and
+   sends its entries in chunks of at most ``chunk`` entries on a side output, spending at most
+   ``budget`` seconds per activation, while S keeps serving the bin. From the snapshot on, the bin's
+   state records every key that S reaches (:class:`TrackedState`). S on ``w`` stages the chunks
+   (:class:`Staging`) without serving them. The side edge is not connected to S's output: a copy
+   in flight holds no record back. Its frontier, seen through a probe on S's *ack* output
+   (connected only from that edge), passes ``t0`` once every copy of ``t0`` has been sent and
+   staged: that is how the controller knows the copy is done.
+2. **Hand-over.** The ordinary move of ``b`` to ``w`` at a later time ``t`` then ships only the
+   keys reached since the snapshot (their values, or their deletion) and the bin's timers: a
+   *delta*, installed on top of the staged copy. Where the copy cannot be used (not done, or made
+   for another worker, or S reached more than half of the bin meanwhile, or iterated over the whole
+   bin) the bin moves whole and the stale copy is dropped; the events say which and why.
+
+Only the row operators' dict state (:class:`~megaphone.bins.BinState`) is pre-copied; a bin of
+fewer than ``min_entries`` entries, or of another state (:func:`megaphone.aggregate`'s Arrow
+tables), moves whole.
+
+The invariant relied on (by the delta's correctness): every key whose value may differ from the
+copy sent is in the tracked set. A key is copied after tracking began; any later read or write of it
+through the state dict adds it; a fold that iterates the bin marks it wholly changed. So a fold
+must reach the state only through the dict it is given (a value kept elsewhere and changed later
+is not seen).
+"""
+from __future__ import annotations
+
+import pickle
+import time as _time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .bins import Bin, BinState, MegaphoneError, Shared
+
+if TYPE_CHECKING:
+    from timely import Capability, OperatorOutput
+
+#: Entries per pre-copy chunk (one state message each).
+CHUNK = 4096
+#: Seconds of copying per activation of F, at most (the rest of the activation serves records).
+BUDGET = 0.002
+#: Bins with fewer entries move whole (a copy ahead would not pay for its bookkeeping).
+MIN_ENTRIES = 10_000
+#: A delta larger than this fraction of its bin's entries falls back to a whole move.
+MAX_DELTA_FRACTION = 0.5
+
+_MISSING: Any = object()
+#: Keys reached per tracked state (by ``id``) since its copy began.
+_reached: dict[int, set] = {}
+#: Tracked states (by ``id``) that were iterated over: wholly changed.
+_overflow: set[int] = set()
+
+
+def _reach(state: dict, key: Any) -> None:
+    _reached[id(state)].add(key)
+
+
+def _reach_all(state: BinState) -> None:
+    """The fold reached every key (it iterated): the copy is void; stop tracking this state."""
+    _overflow.add(id(state))
+    state.__class__ = BinState
+
+
+class TrackedState(BinState):
+    """A bin's state while it is pre-copied: a dict that records every key reached through it.
+
+    Installed by switching the class of the bin's :class:`BinState` (same layout); switched back at
+    the hand-over. Iterating or bulk-changing it marks every key reached (see the module docs).
+    """
+
+    __slots__ = ()
+
+    def __getitem__(self, key: Any) -> Any:
+        _reach(self, key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        _reach(self, key)
+        return dict.get(self, key, default)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _reach(self, key)
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        _reach(self, key)
+        dict.__delitem__(self, key)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        _reach(self, key)
+        return dict.pop(self, key, *default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        _reach(self, key)
+        return dict.setdefault(self, key, default)
+
+    def __iter__(self) -> Any:
+        _reach_all(self)
+        return dict.__iter__(self)
+
+    def keys(self) -> Any:
+        _reach_all(self)
+        return dict.keys(self)
+
+    def values(self) -> Any:
+        _reach_all(self)
+        return dict.values(self)
+
+    def items(self) -> Any:
+        _reach_all(self)
+        return dict.items(self)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        _reach_all(self)
+        dict.update(self, *args, **kwargs)
+
+    def popitem(self) -> Any:
+        _reach_all(self)
+        return dict.popitem(self)
+
+    def clear(self) -> None:
+        _reach_all(self)
+        dict.clear(self)
+
+    def copy(self) -> dict:
+        _reach_all(self)
+        return dict.copy(self)
+
+    def __ior__(self, other: Any) -> Any:  # type: ignore[misc]
+        _reach_all(self)
+        dict.update(self, other)
+        return self
+
+    def __reduce__(self) -> Any:  # pickled (a checkpoint) as the plain state it is
+        return (BinState, (dict.copy(self),))
+
+
+class Copy:
+    """One bin being (or done being) copied ahead to ``target``."""
+
+    __slots__ = ("b", "target", "cap", "t0", "state", "keys", "pos", "entries", "nbytes", "seconds", "began")
+
+    def __init__(self, b: int, target: int, cap: Capability, state: BinState) -> None:
+        self.b = b
+        self.target = target
+        self.cap: Capability | None = cap  # at t0 on the pre-copy output, until every chunk is sent
+        self.t0 = cap.time
+        self.state = state
+        self.keys = list(dict.keys(state))  # the snapshot: copied in this order
+        self.pos = 0
+        self.entries = 0
+        self.nbytes = 0
+        self.seconds = 0.0  # spent copying
+        self.began = _time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        """Every chunk has been sent."""
+        return self.cap is None
+
+
+class PreCopier:
+    """F's side on one worker: the copies of bins this worker owns, sent as time allows."""
+
+    def __init__(self, shared: Shared, chunk: int | None = None, budget: float | None = None,
+                 min_entries: int | None = None) -> None:
+        self.shared = shared
+        self.chunk = CHUNK if chunk is None else chunk  # defaults: this module's, when built
+        self.budget = BUDGET if budget is None else budget
+        self.min_entries = MIN_ENTRIES if min_entries is None else min_entries
+        self.copies: dict[int, Copy] = {}
+
+    def start(self, b: int, target: int, cap: Capability) -> None:
+        """Begin copying bin ``b`` to ``target`` (``cap``: at the request's time on the pre-copy
+        output). Bins this worker does not hold, small bins, and bins already copied move whole."""
+        shared = self.shared
+        bin_ = shared.bins[b]
+        reason = None
+        if target == shared.index or bin_ is None or shared.routing_table()[b] != shared.index:
+            reason = "not held here"
+        elif b in self.copies:
+            reason = "a copy is in flight"
+        elif type(bin_.state) is not BinState:
+            reason = "state is not a dict of rows"
+        elif len(bin_.state) < self.min_entries:
+            reason = f"small ({len(bin_.state)} entries)"
+        if reason is not None:
+            cap.drop()
+            if bin_ is not None and target != shared.index:
+                shared.events.append({"kind": "precopy", "time": cap.time, "bins": [b], "to": [target],
+                                      "skipped": reason, "worker": shared.index})
+            return
+        assert bin_ is not None
+        shared.thaw(b)  # a checkpoint's dump of the bin first (megaphone.checkpoint.BinDump)
+        state = bin_.state
+        _reached[id(state)] = set()
+        state.__class__ = TrackedState
+        self.copies[b] = Copy(b, target, cap, state)
+
+    def step(self, out: OperatorOutput) -> bool:
+        """Send chunks for at most :attr:`budget` seconds; True while some copy still has chunks."""
+        began = _time.perf_counter()
+        codec = self.shared.codec
+        for copy in self.copies.values():
+            if copy.cap is None:
+                continue
+            state, keys = copy.state, copy.keys
+            while copy.pos < len(keys) or copy.pos == 0:  # at least one chunk: it makes the target stage the bin
+                t = _time.perf_counter()
+                part = {}
+                for k in keys[copy.pos:copy.pos + self.chunk]:
+                    v = dict.get(state, k, _MISSING)  # not "reached": the copy is not the fold
+                    if v is not _MISSING:
+                        part[k] = v
+                copy.pos += self.chunk
+                payload = codec.pack(part, [])
+                out.give_batch(copy.cap, [(copy.target, copy.b, payload, (copy.t0, self.shared.index))])
+                copy.entries += len(part)
+                copy.nbytes += codec.nbytes(payload)
+                copy.seconds += _time.perf_counter() - t
+                if _time.perf_counter() - began > self.budget:
+                    return True
+            copy.cap.drop()
+            copy.cap = None
+            copy.keys = []
+            self.shared.events.append({"kind": "precopy", "time": copy.t0, "bins": [copy.b], "to": [copy.target],
+                                       "entries": copy.entries, "bytes": copy.nbytes, "seconds": copy.seconds,
+                                       "wall": _time.monotonic() - copy.began, "worker": self.shared.index})
+        return False
+
+    def hand_over(self, b: int, bin_: Bin, target: int,
+                  delivered: Callable[[Any], bool]) -> tuple[bytes | None, Copy | None, str]:
+        """Bin ``b`` leaves for ``target`` now: stop its copy, if any (``delivered(t0)``: every copy
+        requested at ``t0`` is staged). Returns the delta's payload (``None``: move it whole), the
+        copy, and the reason for a whole move of a copied bin."""
+        copy = self.copies.pop(b, None)
+        if copy is None:
+            return None, None, ""
+        done = copy.done
+        state = copy.state
+        key = id(state)
+        reached = _reached.pop(key, set())
+        whole = key in _overflow
+        _overflow.discard(key)
+        if type(state) is TrackedState:
+            state.__class__ = BinState  # type: ignore[assignment]
+        if copy.cap is not None:
+            copy.cap.drop()
+            copy.cap = None
+        if copy.target != target:
+            return None, copy, f"the copy went to worker {copy.target}"
+        if not done:
+            return None, copy, "the copy was not done"
+        if not delivered(copy.t0):
+            return None, copy, "the copy was not staged yet"
+        if whole:
+            return None, copy, "the fold iterated over the bin"
+        if len(reached) > MAX_DELTA_FRACTION * max(len(state), 1):
+            return None, copy, f"{len(reached)} of {len(state)} keys changed during the copy"
+        updates = {k: dict.__getitem__(state, k) for k in reached if k in state}
+        deleted = [k for k in reached if k not in state]
+        return pickle.dumps((updates, deleted, bin_.pending_timers()), protocol=pickle.HIGHEST_PROTOCOL), copy, ""
+
+
+class Staging:
+    """S's side on one worker: copies received ahead, per bin, until their hand-over."""
+
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+        self.staged: dict[int, tuple[Any, BinState]] = {}  # bin -> (copy's t0 and source, state so far)
+        self.dropped: set[tuple[Any, int]] = set()  # copies dropped before all their chunks arrived
+
+    def chunk(self, b: int, payload: Any, ident: tuple[Any, int]) -> None:
+        """Stage one chunk of the copy ``ident`` (its time and source worker) of bin ``b``."""
+        ident = tuple(ident)  # a list after crossing processes
+        if ident in self.dropped:
+            return
+        entry = self.staged.get(b)
+        if entry is None or entry[0] != ident:
+            entry = self.staged[b] = (ident, BinState())
+        part, _ = self.shared.codec.unpack(payload)
+        entry[1].update(part)
+
+    def drop(self, b: int, ident: tuple[Any, int]) -> None:
+        """The copy ``ident`` of bin ``b`` will not be used (the bin moved whole)."""
+        ident = tuple(ident)
+        entry = self.staged.get(b)
+        if entry is not None and entry[0] == ident:
+            del self.staged[b]
+        self.dropped.add(ident)
+
+    def discard(self, b: int) -> None:
+        """Bin ``b`` arrived whole: any copy staged for it is stale."""
+        self.staged.pop(b, None)
+
+    def install(self, b: int, payload: bytes, ident: tuple[Any, int]) -> tuple[BinState, list, int]:
+        """The state of bin ``b``: its staged copy with the delta ``payload`` applied; its timers;
+        the entries the delta carried."""
+        ident = tuple(ident)
+        entry = self.staged.pop(b, None)
+        if entry is None or entry[0] != ident:
+            raise MegaphoneError(f"'{self.shared.name}': worker {self.shared.index} got the hand-over of bin {b} "
+                                 f"without its copy ahead {ident!r}")
+        state = entry[1]
+        updates, deleted, timers = pickle.loads(payload)
+        state.update(updates)
+        for k in deleted:
+            state.pop(k, None)
+        return state, timers, len(updates) + len(deleted)
