@@ -40,7 +40,7 @@ from .server import serve, server_of
 
 __all__ = [
     "BridgeError", "ClusterStopping", "CoordinatorUnreachable", "SchemaError", "SchemaMismatch", "UnknownStream",
-    "WorkerUnreachable", "arrow_to_rows", "close_stream", "endpoint", "register", "serve", "shutdown", "sink",
+    "WorkerUnreachable", "arrow_to_rows", "close_stream", "endpoint", "register", "run", "serve", "shutdown", "sink",
     "source", "status", "stop",
 ]
 
@@ -50,6 +50,16 @@ def register(spark: Any) -> None:
     from .datasource import register as _register
 
     _register(spark)
+
+
+def run(spark: Any, job: str, workers: int, args: Any = (), **options: Any) -> list[Any]:
+    """Run the job file ``job`` on ``workers`` timely workers as one Spark barrier stage of the
+    session ``spark`` (task ``i`` is worker ``i``); return each worker's result by index, or raise
+    like ``timely.execute``. See :func:`spark_bridge.barrier.submit` for ``options`` and the section
+    "Running on a Spark cluster" of ``README.md``."""
+    from .barrier import run as _run
+
+    return _run(spark, job, workers, args, **options)
 
 
 def endpoint(worker: Any) -> str | None:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .cluster import STOPPED_GRACE, Outcome, local_endpoints, primary_failure, run_worker, signal_name, supervise
+from .cluster import failure_error as failure_error  # re-exported: spark_bridge.barrier raises as timely.execute does
 from .comm.endpoints import DEFAULT_PORT, hostfile_endpoints, parse_hostfile
 from .comm.errors import HostfileError
 from .comm.secret import JobSecret, SecretError, resolve
