@@ -90,13 +90,17 @@ def analyse(cfg: dict, results: list[dict]) -> dict:
         out.update(steps=0, bins_moved=0, bytes=0, complete=True)
     else:
         steps = w0["steps"]
-        issue = steps[0]["issued"]
-        first = (steps[0]["time"] - 1) // cfg["epoch_ms"]  # the epoch the first step was issued at
+        copied = steps[0].get("copy") is not None  # the first step copied its bins ahead: it began then
+        issue = steps[0]["copy"] if copied else steps[0]["issued"]
+        first = ((steps[0]["copy_time"] if copied else steps[0]["time"]) - 1) // cfg["epoch_ms"]  # its epoch
         out["complete"] = bool(w0["all_steps_done"]) and steps[-1]["completed"] is not None
         done = steps[-1]["completed"] if out["complete"] else w0["end"]
         out["steps"], out["bins_moved"] = len(steps), sum(s["bins"] for s in steps)
         ev = [e for r in results for e in r["events"]]
-        out["bytes"] = sum(e["bytes"] for e in ev if e["kind"] == "extract")
+        out["bytes"] = sum(e["bytes"] for e in ev if e["kind"] == "extract")  # at the hand-overs
+        out["ahead_bytes"] = sum(e.get("bytes", 0) for e in ev if e["kind"] == "precopy")
+        out["fallbacks"] = sum(e["kind"] == "fallback" for e in ev)
+        out["handover_s_max"] = max((e["seconds"] for e in ev if e["kind"] in ("extract", "install")), default=0.0)
         durations = [s["duration"] for s in steps if s["duration"] is not None] or [float("nan")]
         out["steps_completed"] = sum(s["completed"] is not None for s in steps)
         out["longest_step_s"] = max(durations)

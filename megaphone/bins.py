@@ -119,14 +119,15 @@ ROWS = StateCodec()
 class Shared:
     """What F and S of one worker share: bins, the configuration history, and the migration log."""
 
-    def __init__(self, name: str, k: int, index: int, peers: int, codec: StateCodec = ROWS) -> None:
+    def __init__(self, name: str, k: int, index: int, peers: int, codec: StateCodec = ROWS,
+                 initial: Table | None = None) -> None:
         self.name = name
         self.codec = codec
         self.k = k
         self.nbins = 1 << k
         self.index = index
         self.peers = peers
-        table = balanced(self.nbins, peers)
+        table = balanced(self.nbins, peers) if initial is None else initial
         # Configurations compiled so far, ascending by time: (time, table). The first is in force
         # from the beginning of time.
         self.config_times: list[Any] = [0]

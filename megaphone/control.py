@@ -16,7 +16,7 @@ from typing import Any
 
 import timely
 
-from .table import TableError, move_updates, validate_k, validate_move, validate_table
+from .table import TableError, balanced, move_updates, validate_k, validate_move, validate_table
 
 
 class ControlInput:
@@ -28,11 +28,19 @@ class ControlInput:
     damages running state. Bins and workers may be numpy integers; they are sent as ``int``.
     """
 
-    def __init__(self, scope: timely.Scope, k: int = 8, name: str = "Control") -> None:
+    def __init__(self, scope: timely.Scope, k: int = 8, name: str = "Control", workers: int | None = None) -> None:
         self.name = name
         self.k = validate_k(k)
         self.nbins = 1 << k
         self.peers = scope.peers
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                    or not 1 <= workers <= self.peers):
+            raise TableError(f"control input '{name}': workers must be an integer from 1 to {self.peers} "
+                             f"(the job's workers), not {workers!r}")
+        #: The table the migratable operators on this input start from: the bins spread over the first
+        #: ``workers`` workers (default: all); the others are *spare*, holding no bin until a migration
+        #: moves bins onto them (scale-out within a running job).
+        self.initial = balanced(self.nbins, self.peers if workers is None else workers)
         self.handle = scope.new_input(name)
         self.stream = self.handle.stream
         #: The job secret of the worker that built this input (:attr:`timely.Worker.secret`): the

@@ -79,6 +79,7 @@ class StepEvent:
     duration: float | None = None  # seconds from issue to completion (monotonic clock)
     precopy: bool = False  # the bins are copied ahead, then handed over (megaphone.precopy)
     copy_time: Any = None  # logical time at which the copy ahead was requested
+    copy_at: float | None = None  # wall clock (time.time()) when the copy ahead was requested
     copy_seconds: float | None = None  # seconds from the copy request to the hand-over
     _issued_mono: float | None = field(default=None, repr=False)
     _copy_mono: float | None = field(default=None, repr=False)
@@ -110,8 +111,8 @@ class StepEvent:
 class Controller:
     """Issues migration steps over ``control`` as ``probe`` (on the migratable output) allows.
 
-    ``table`` is the routing table in force when the controller starts (default: the round-robin
-    table every migratable operator starts from). The controller tracks the table from then on; it
+    ``table`` is the routing table in force when the controller starts (default: the one every
+    migratable operator on ``control`` starts from, ``control.initial``). The controller tracks the table from then on; it
     assumes it is the only sender on the control input. ``on_progress(event, what)`` is called with
     ``what`` = ``"issued"`` or ``"completed"`` for every step. Completion is noticed by
     :meth:`tick`, so durations have the resolution of the driver loop.
@@ -130,7 +131,9 @@ class Controller:
         self.copied = copied
         self.nbins: int = control.nbins
         self.peers: int = control.peers
-        initial = balanced(self.nbins, self.peers) if table is None else table
+        if table is None:  # the table the operators start from (spare workers: megaphone.ControlInput)
+            table = getattr(control, "initial", None) or balanced(self.nbins, self.peers)
+        initial = table
         initial = validate_table(initial, self.nbins, self.peers, "initial")
         self._issued_table: Table = initial  # after every issued step
         self._planned_table: Table = initial  # after every queued step
@@ -217,6 +220,7 @@ class Controller:
         if ev.precopy:
             self.control.precopy(ev.moves)
             ev.copy_time = self.control.time
+            ev.copy_at = _time.time()
             ev._copy_mono = _time.monotonic()
             self._notify(ev, "copying")
             return True

@@ -111,7 +111,8 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
     except TableError as e:
         raise TableError(f"'{name}': {e}") from None
     n = len(streams)
-    shared = Shared(name, k, scope.index, scope.peers, codec)
+    initial = control.initial if isinstance(control, ControlInput) and control.k == k else None  # spare workers
+    shared = Shared(name, k, scope.index, scope.peers, codec, initial)
     ck = scope.worker.checkpoint
     if ck is not None:
         shared.checkpoint = BinCheckpoint(shared, ck)  # restores this worker's bins and F's table

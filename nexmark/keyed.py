@@ -26,8 +26,10 @@ from timely import collector, routing
 from .metrics import RssSampler, max_rss_bytes, runqueue_wait
 from .openloop import Completions, Schedule, start_together
 
-MODES = (*megaphone.STRATEGIES, "restart", "none")  # none: Megaphone without a migration (steady-state overhead)
-DEFAULT_MODES = (*megaphone.STRATEGIES, "restart")
+#: Megaphone's strategies, each also with its bins copied ahead ("+precopy", megaphone.precopy);
+#: restart: stop-and-restart; none: Megaphone without a migration (steady-state overhead).
+MODES = (*megaphone.STRATEGIES, *(f"{s}+precopy" for s in megaphone.STRATEGIES), "restart", "none")
+DEFAULT_MODES = (*megaphone.STRATEGIES, "batched+precopy", "restart")
 CHUNK = megaphone.operators.DEFAULT_CHUNK  # state entries per shipped message (Megaphone's default)
 
 
@@ -192,7 +194,11 @@ def job(worker: timely.Worker) -> dict:
     E = epoch_ms / 1000
     completions = Completions(epochs, start)
     completions.watch(probe)
-    controller = megaphone.Controller(control, probe) if control is not None and index == 0 else None
+    controller = None
+    if control is not None and index == 0:
+        assert mig is not None
+        controller = megaphone.Controller(control, probe, copied=mig.copied)
+    strategy, _, precopy = mode.partition("+")
     migrate_at = cfg["migrate_at"]
     pause_epoch = int(math.ceil(migrate_at / E))
     info: dict = {}
@@ -221,7 +227,7 @@ def job(worker: timely.Worker) -> dict:
                 control.advance_to(logical(sent, epoch_ms))
         if controller is not None:
             if not started and now >= migrate_at and mode != "none":
-                controller.start(megaphone.plan(table0, target, mode, peers=peers))
+                controller.start(megaphone.plan(table0, target, strategy, peers=peers), precopy=bool(precopy))
                 started = True
             controller.tick()
         if sent == epochs and not closed:
@@ -266,7 +272,8 @@ def job(worker: timely.Worker) -> dict:
         "events": [dict(e, worker=index) for e in (mig.events if mig is not None else [])],
     }
     if controller is not None:
-        result["steps"] = [{"index": e.index, "bins": len(e.moves), "time": e.issue_time,
+        result["steps"] = [{"index": e.index, "bins": len(e.moves), "time": e.issue_time, "copy_time": e.copy_time,
+                            "copy": None if e.copy_at is None else e.copy_at - start,
                             "issued": None if e.issued_at is None else e.issued_at - start,
                             "completed": None if e.completed_at is None else e.completed_at - start,
                             "duration": e.duration} for e in controller.events]

@@ -79,14 +79,15 @@ def observed_count(outputs):
 
 
 class LiveCount:
-    """A keyed running count over ``2^k`` bins on one worker; its data and control inputs advance
-    together, one epoch per :meth:`advance`. ``machine`` is the megaphone operator handle."""
+    """A keyed running count over ``2^k`` bins on one worker (the bins on the first ``workers``
+    workers, default all); its data and control inputs advance together, one epoch per
+    :meth:`advance`. ``machine`` is the megaphone operator handle."""
 
-    def __init__(self, worker, k: int) -> None:
+    def __init__(self, worker, k: int, workers: int | None = None) -> None:
         self.worker = worker
         with worker.dataflow() as scope:
             self.data = scope.new_input()
-            self.control = ControlInput(scope, k=k)
+            self.control = ControlInput(scope, k=k, workers=workers)
             self.machine = megaphone.state_machine(self.data.stream, self.control, 0, count_fold)
             self.captured = self.machine.stream.capture()
         self.epoch = 0

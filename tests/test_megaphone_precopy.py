@@ -22,8 +22,10 @@ from megaphone_jobs import STEP_TIMEOUT, LiveCount, observed_count, sequential_c
 
 import timely
 from megaphone.bins import BinState
+from megaphone.control import ControlInput
 from megaphone.controller import Controller
 from megaphone.precopy import TrackedState, _overflow, _reached
+from megaphone.table import TableError, balanced
 
 
 def test_tracked_state_records_reached_keys_and_voids_on_iteration():
@@ -45,16 +47,19 @@ def test_tracked_state_records_reached_keys_and_voids_on_iteration():
     del _reached[id(s)]
 
 
-def precopy_job(worker, k: int, epochs: list, target=None, steps=None, actions=None, tunables=(0, 4, 0.0)):
+def precopy_job(worker, k: int, epochs: list, target=None, steps=None, actions=None, tunables=(0, 4, 0.0),
+                spare: int = 0):
     """A keyed count; worker 0 runs a pre-copied rebalance to ``target`` (or the pre-copied
     ``steps``) through a controller once epoch 0 (the pre-load) is applied everywhere, and sends
     ``actions`` (``{epoch: [("precopy" | "moves", {bin: worker})]}``) itself. ``tunables``: the
-    pre-copy's minimum bin size, chunk and time budget (small, so a copy spans many activations)."""
+    pre-copy's minimum bin size, chunk and time budget (small, so a copy spans many activations).
+    ``spare``: the last workers start with no bins."""
     import megaphone.precopy as pc
 
     pc.MIN_ENTRIES, pc.CHUNK, pc.BUDGET = tunables
-    job = LiveCount(worker, k)
+    job = LiveCount(worker, k, workers=worker.peers - spare)
     m = job.machine
+    owned_at_start = m.owned_bins()
     ctl = None
     if worker.index == 0 and (target is not None or steps is not None):
         ctl = Controller(job.control, m.probe, copied=m.copied)
@@ -73,6 +78,7 @@ def precopy_job(worker, k: int, epochs: list, target=None, steps=None, actions=N
         job.advance(epochs[job.epoch][worker.index::worker.peers] if job.epoch < len(epochs) else [], ctl)
         assert time.monotonic() < deadline, "migration did not complete"
     return {"outputs": job.finish(), "table": list(m.routing_table()), "owned": m.owned_bins(),
+            "owned_at_start": owned_at_start,
             "events": [e for e in m.events if e["kind"] in ("extract", "precopy", "fallback")],
             "steps": [e.as_dict() for e in ctl.events] if ctl else []}
 
@@ -139,3 +145,32 @@ def test_copies_overtaken_by_plain_moves_fall_back_to_whole_moves():
     assert [e for e in events if e.get("skipped")] == []  # bin 1: its owner is the target, no copy
     copied = [e for e in events if e["kind"] == "precopy"]
     assert sorted(e["bins"][0] for e in copied if e["bins"] != [0]) == [3, 6, 6]
+
+
+@pytest.mark.timeout(300)
+def test_scale_out_onto_spare_workers_moves_half_the_bins():
+    """The paper's scale-out: 4 workers, the bins start on workers 0 and 1 (2 spare); a pre-copied
+    rebalance to the balanced table moves half the bins onto the spare workers."""
+    k = 4
+    rng = random.Random(9)
+    epochs = [preload(3200)] + [[(rng.randrange(3200), 1) for _ in range(40)] for _ in range(30)]
+    target = balanced(1 << k, 4)
+    results = timely.execute(functools.partial(precopy_job, k=k, epochs=epochs, target=target, spare=2,
+                                               tunables=(0, 32, 0.0)), workers=4)
+    assert [len(r["owned_at_start"]) for r in results] == [8, 8, 0, 0]
+    assert observed_count([o for r in results for o in r["outputs"]]) == sequential_count(epochs)
+    assert all(r["table"] == list(target) for r in results)
+    assert [len(r["owned"]) for r in results] == [4, 4, 4, 4]
+    moved = [e for r in results for e in r["events"] if e["kind"] == "extract"]
+    assert sum(len(e["bins"]) for e in moved) == 8 and sum(e["modes"].get("delta", 0) for e in moved) > 0
+
+
+def test_spare_workers_are_checked():
+    def main(worker):
+        with worker.dataflow() as scope:
+            for bad in (0, 3, True, "1"):
+                with pytest.raises(TableError, match="workers must be an integer from 1 to 2"):
+                    ControlInput(scope, k=3, workers=bad)
+            return list(ControlInput(scope, k=3, workers=1).initial)
+
+    assert timely.execute(main, workers=2) == [[0] * 8, [0] * 8]
