@@ -133,6 +133,7 @@ def steady_figures(args: argparse.Namespace, results: list[dict]) -> dict:
         out["cow_max"] = [max(r["log"].get("cow", []), default=0.0) for r in results]
         out["block_s"] = [r["stats"]["offer_block_s"] for r in results]
         out["write_s"] = [r["stats"]["write_s"] for r in results]
+        out["write_cpu_s"] = [r["stats"]["write_cpu_s"] + r["stats"]["commit_cpu_s"] for r in results]
         out["checkpoints"] = checkpoints(args, results)
     return out
 
@@ -185,12 +186,12 @@ def steady(args: argparse.Namespace, scratch: Path) -> list[str]:
           + align([["checkpoints", "p50 ms", "p99 ms", "max ms", "rec/s", "rec/CPU-s"], *rows]))
     stall = [[f"worker {w}", fmt_med(ck, "ser_s", w), fmt_med(ck, "pickle_s", w), fmt_med(ck, "ser_max", w, 1e3),
               fmt_med(ck, "cow_s", w), fmt_med(ck, "cow_max", w, 1e3), fmt_med(ck, "block_s", w),
-              fmt_med(ck, "write_s", w)] for w in range(args.workers)]
+              fmt_med(ck, "write_s", w), fmt_med(ck, "write_cpu_s", w)] for w in range(args.workers)]
     print(f"stall per worker over the {args.duration:g} s run (median; offers: Megaphone's, on the dataflow thread, "
           f"of which pickling on that thread; max: one offer after the first; copy on write: whole bins S "
           f"touched before the writer serialised them, pickled on the dataflow thread):\n"
           + align([["", "offers s", "pickling s", "offer max ms", "copy-on-write s", "cow max ms", "offer_block_s",
-                    "write_s (background)"], *stall]))
+                    "write_s (background)", "its CPU s (with commits)"], *stall]))
     r99 = med["checkpoints"]["p99"] / med["none"]["p99"]
     loss = 1 - med["checkpoints"]["tput"] / med["none"]["tput"]
     loss_cpu = 1 - med["checkpoints"]["per_cpu"] / med["none"]["per_cpu"]

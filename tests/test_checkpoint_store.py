@@ -114,11 +114,17 @@ def test_foreign_corrupt_and_missing_files_are_refused(tmp_path) -> None:
     part.unlink()
     with pytest.raises(CheckpointError, match=rf"{part.name} .*cannot be read"):
         store.read(manifest, "S")
-    body = json.loads((tmp_path / "manifests" / f"{1:020d}.json").read_text())
+    path = tmp_path / "manifests" / f"{1:020d}.json"
+    head, _, data = path.read_bytes().partition(b"\n")
+    body = json.loads(data)
     body["epoch"] = 7
-    (tmp_path / "manifests" / f"{1:020d}.json").write_text(json.dumps(body))
+    path.write_bytes(head + b"\n" + json.dumps(body).encode())
+    fresh = Store(str(tmp_path), "job-a")  # (a store does not read again a manifest it has read)
     with pytest.raises(CheckpointError, match="corrupt .checksum mismatch"):
-        store.latest()
+        fresh.latest()
+    path.write_text(json.dumps(body))  # a manifest of format 1 (plain JSON), or garbage
+    with pytest.raises(CheckpointError, match="is not a manifest of format 2"):
+        Store(str(tmp_path), "job-a").latest()
 
 
 def test_a_key_offered_twice_is_an_error(tmp_path) -> None:

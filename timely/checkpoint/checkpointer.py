@@ -156,7 +156,7 @@ class Checkpointer:
         self._next_poll = 0.0
         self._delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
         self._stats = {"parts": 0, "bytes": 0, "write_s": 0.0, "write_max_s": 0.0, "offer_block_s": 0.0,
-                       "offer_block_max_s": 0.0, "commits": 0}
+                       "offer_block_max_s": 0.0, "commits": 0, "write_cpu_s": 0.0, "commit_cpu_s": 0.0}
         self._thread = threading.Thread(target=self._writer, name=f"timely-checkpoint-{index}", daemon=True)
         self._thread.start()
 
@@ -205,8 +205,9 @@ class Checkpointer:
 
     def stats(self) -> dict[str, float]:
         """Counters: ``parts`` written and their ``bytes``, ``write_s`` / ``write_max_s`` (time spent
-        writing, on the background thread), ``offer_block_s`` / ``offer_block_max_s`` (time the
-        dataflow was held by offers), ``commits``."""
+        writing, on the background thread) and ``write_cpu_s`` (its CPU), ``offer_block_s`` /
+        ``offer_block_max_s`` (time the dataflow was held by offers), ``commits`` and
+        ``commit_cpu_s`` (worker 0)."""
         return dict(self._stats)
 
     # -- the worker's side -------------------------------------------------------------------------
@@ -308,11 +309,12 @@ class Checkpointer:
                 self._queue.task_done()
 
     def _write(self, epoch: int, states: dict[str, dict[str, Blob | None]], meta: dict) -> None:
-        began = time.monotonic()
+        began, cpu = time.monotonic(), time.thread_time()
         if self._delay:
             time.sleep(self._delay)
         record = self.store.write_part(epoch, self.index, states, meta)
         took = time.monotonic() - began
+        self._stats["write_cpu_s"] += time.thread_time() - cpu
         size = sum(ref[1] for entries in record["states"].values() for ref in entries.values() if ref is not None)
         s = self._stats
         s["parts"] += 1
@@ -335,7 +337,9 @@ class Checkpointer:
             if found is None:
                 return
             epoch, parts = found
+            cpu = time.thread_time()
             manifest = self.store.commit(epoch, self.peers, parts)
+            self._stats["commit_cpu_s"] += time.thread_time() - cpu
             self._committed = epoch
             self._stats["commits"] += 1
             log.debug("checkpoint of epoch %d committed (%s)", epoch, manifest.path)

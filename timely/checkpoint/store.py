@@ -16,7 +16,9 @@ A **part** file is ``MAGIC``, an 8-byte little-endian index length, the JSON ind
 A **manifest** maps every live ``(state, key)`` to ``[file, offset, length, crc32]``: the key map of
 the previous manifest with the parts of its epoch applied, so a checkpoint writes only what changed
 since the last one and still names everything (incremental). It also records the job, the epoch,
-the worker count and each worker's meta, and a SHA-256 of its own body.
+the worker count and each worker's meta. Its file is ``MANIFEST_MAGIC``, the SHA-256 (hex) of the
+JSON body, a newline and the body, in which the part files are named once (``files``) and a key's
+reference holds its file's index.
 
 A worker writes a part only at an epoch where something changed; across epochs without changes it
 only moves its *reached* marker. A worker has *reached* ``r`` once it has handed over every epoch up
@@ -48,7 +50,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import TimelyError
 
-FORMAT = 1
+FORMAT = 2
+#: A manifest file starts with this, the SHA-256 (hex) of the JSON body that follows, and a newline.
+MANIFEST_MAGIC = b"TIMELYMANIFEST "
 MAGIC = b"TIMELYCKPT\x00\x01"
 _LEN = struct.Struct("<Q")
 
@@ -86,8 +90,32 @@ class Manifest:
         return f"Manifest(epoch={self.epoch}, peers={self.peers}, states={sorted(self.states)})"
 
 
-def _body_digest(body: dict) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+def _encode(body: dict) -> bytes:
+    """A manifest's file: the magic, the SHA-256 of the body's JSON, a newline, the JSON. Part
+    files are named once, in ``files``; a key's reference holds its file's index there."""
+    files: dict[str, int] = {}
+    states = {state: {key: [files.setdefault(ref[0], len(files)), *ref[1:]] for key, ref in refs.items()}
+              for state, refs in body["states"].items()}
+    data = json.dumps({**body, "files": list(files), "states": states}, separators=(",", ":")).encode()
+    return b"".join([MANIFEST_MAGIC, hashlib.sha256(data).hexdigest().encode(), b"\n", data])
+
+
+def _decode(raw: bytes, path: str) -> dict:
+    """The body of a manifest file (references resolved to file names), checked against its digest."""
+    head, sep, data = raw.partition(b"\n")
+    if not head.startswith(MANIFEST_MAGIC) or not sep:
+        raise CheckpointError(f"checkpoint manifest {path} is not a manifest of format {FORMAT} "
+                              f"(an older version's checkpoint, or corrupt)")
+    if hashlib.sha256(data).hexdigest().encode() != head[len(MANIFEST_MAGIC):]:
+        raise CheckpointError(f"checkpoint manifest {path} is corrupt (checksum mismatch)")
+    try:
+        body = json.loads(data)
+        files = body.pop("files")
+        body["states"] = {state: {key: [files[ref[0]], *ref[1:]] for key, ref in refs.items()}
+                          for state, refs in body["states"].items()}
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointError(f"checkpoint manifest {path} is unreadable or corrupt: {e}") from e
+    return body
 
 
 class Store:
@@ -112,6 +140,7 @@ class Store:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"checkpoint storage {url!r} cannot be used: {e}") from e
         self._local = isinstance(self.fs, LocalFileSystem)
+        self._known: dict[str, Manifest] = {}  # manifests read or written, by path (the kept ones)
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -236,10 +265,10 @@ class Store:
                         refs[key] = [part["file"], part["base"] + ref[0], ref[1], ref[2]]
         body = {"format": FORMAT, "job": self.job, "epoch": epoch, "peers": peers, "created": time.time(),
                 "meta": meta, "states": states}
-        body["sha256"] = _body_digest(body)
         path = self._path("manifests", f"{epoch:020d}.json")
-        self._write_atomic(path, json.dumps(body, separators=(",", ":")).encode())
+        self._write_atomic(path, _encode(body))
         manifest = Manifest(body, path)
+        self._known[path] = manifest
         self._collect(manifest)
         return manifest
 
@@ -257,20 +286,23 @@ class Store:
         return sorted(found)
 
     def load(self, path: str) -> Manifest:
-        """The manifest at ``path``, checked (intact, of this job)."""
+        """The manifest at ``path``, checked (intact, of this job). Manifests this store wrote or
+        read before are not read again (a manifest file never changes once written)."""
+        known = self._known.get(path)
+        if known is not None:
+            return known
         try:
-            body = json.loads(self.fs.cat_file(path))
-            digest = body.pop("sha256")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"checkpoint manifest {path} is unreadable or corrupt: {e}") from e
-        if _body_digest(body) != digest:
-            raise CheckpointError(f"checkpoint manifest {path} is corrupt (checksum mismatch)")
+            raw = self.fs.cat_file(path)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint manifest {path} is unreadable: {e}") from e
+        body = _decode(raw, path)
         if body.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint manifest {path} has format {body.get('format')}, expected {FORMAT}")
         if body["job"] != self.job:
             raise CheckpointError(f"checkpoint {path} belongs to another job (job {body['job']!r:.80}, this job "
                                   f"{self.job!r:.80}): use another checkpoint directory, or remove it")
-        return Manifest(body, path)
+        manifest = self._known[path] = Manifest(body, path)
+        return manifest
 
     def latest(self) -> Manifest | None:
         """The newest complete checkpoint, or ``None`` when there is none."""
@@ -308,6 +340,7 @@ class Store:
         up to ``newest``'s), the pending markers of those epochs and other runs' reached markers."""
         paths = self._manifest_paths()
         kept = [self.load(p) if p != newest.path else newest for _, p in paths[-self.keep:]]
+        self._known = {m.path: m for m in kept}
         needed = set().union(*(m.files() for m in kept))
         try:
             for _, p in paths[:-self.keep]:
