@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from .plan import Step, plan
+from .plan import Step, plan, prepare
 from .table import Table, TableError, apply, balanced, move_updates, validate_move, validate_table
 
 
@@ -129,6 +129,7 @@ class Controller:
         self.control = control
         self.probe = probe
         self.copied = copied
+        prepare()  # the planner's import now, not in the middle of the first migration
         self.nbins: int = control.nbins
         self.peers: int = control.peers
         if table is None:  # the table the operators start from (spare workers: megaphone.ControlInput)

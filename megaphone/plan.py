@@ -67,9 +67,16 @@ def plan(current: Sequence[int], target: Sequence[int], strategy: str = "batched
     return _batched(current, target, changed)
 
 
+def prepare() -> None:
+    """Import what planning needs now (a :class:`~megaphone.Controller` calls it when built): the
+    first ``batched`` plan would otherwise stall its worker for the import, mid-run."""
+    import networkx  # noqa: F401
+
+
 def _batched(current: Sequence[int], target: Sequence[int], changed: list[int]) -> list[Step]:
     # Imported here, not with the module: networkx takes a tenth of a second or more to import,
-    # which every worker of a Megaphone job would pay at start-up; only planning uses it.
+    # which every worker of a Megaphone job would pay at start-up; only planning uses it (and
+    # the controller imports it when built: prepare()).
     import networkx as nx
     from networkx.algorithms.bipartite import hopcroft_karp_matching
 

@@ -5,10 +5,11 @@ the new owner installs all of its state: with large bins that is the latency spi
 the move in two (Rhino's hand-over; Kafka Streams' warm-up replicas):
 
 1. **Copy ahead.** A control record ``("precopy", b, w)`` at time ``t0`` asks the owner of bin ``b``
-   to copy it to worker ``w``. F on the owner (:class:`PreCopier`) snapshots the bin's key list and
-   sends its entries in chunks of at most ``chunk`` entries on a side output, spending at most
-   ``budget`` seconds per activation, while S keeps serving the bin. From the snapshot on, the bin's
-   state records every key that S reaches (:class:`TrackedState`). S on ``w`` stages the chunks
+   to copy it to worker ``w``. F on the owner (:class:`PreCopier`) snapshots the bin (a shallow
+   copy) and sends its entries in chunks of at most ``chunk`` entries on a side output, spending at
+   most ``budget`` seconds at a time and at most ``share`` of the worker's time, while S keeps
+   serving the bin. From the snapshot on, the bin's state records every key that S reaches
+   (:class:`TrackedState`). S on ``w`` stages the chunks
    (:class:`Staging`) without serving them. The side edge is not connected to S's output: a copy
    in flight holds no record back. Its frontier, seen through a probe on S's *ack* output
    (connected only from that edge), passes ``t0`` once every copy of ``t0`` has been sent and
@@ -24,8 +25,10 @@ fewer than ``min_entries`` entries, or of another state (:func:`megaphone.aggreg
 tables), moves whole.
 
 The invariant relied on (by the delta's correctness): every key whose value may differ from the
-copy sent is in the tracked set. A key is copied after tracking began; any later read or write of it
-through the state dict adds it; a fold that iterates the bin marks it wholly changed. So a fold
+copy sent is in the tracked set. Tracking begins with the snapshot; any later read or write of a
+key through the state dict adds it (a value changed in place is reached first, so the chunk that
+carries it, made later, may be newer than the snapshot: the delta sends it again); a fold that
+iterates the bin marks it wholly changed. So a fold
 must reach the state only through the dict it is given (a value kept elsewhere and changed later
 is not seen).
 """
@@ -34,6 +37,7 @@ from __future__ import annotations
 import pickle
 import time as _time
 from collections.abc import Callable
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from .bins import Bin, BinState, MegaphoneError, Shared
@@ -42,15 +46,16 @@ if TYPE_CHECKING:
     from timely import Capability, OperatorOutput
 
 #: Entries per pre-copy chunk (one state message each).
-CHUNK = 4096
+CHUNK = 1024
 #: Seconds of copying per activation of F, at most (the rest of the activation serves records).
-BUDGET = 0.002
+BUDGET = 0.0005
+#: Share of a worker's time the copies may take, at most (the rate limit that keeps steady latency).
+SHARE = 0.05
 #: Bins with fewer entries move whole (a copy ahead would not pay for its bookkeeping).
 MIN_ENTRIES = 10_000
 #: A delta larger than this fraction of its bin's entries falls back to a whole move.
 MAX_DELTA_FRACTION = 0.5
 
-_MISSING: Any = object()
 #: Keys reached per tracked state (by ``id``) since its copy began.
 _reached: dict[int, set] = {}
 #: Tracked states (by ``id``) that were iterated over: wholly changed.
@@ -144,7 +149,7 @@ class TrackedState(BinState):
 class Copy:
     """One bin being (or done being) copied ahead to ``target``."""
 
-    __slots__ = ("b", "target", "cap", "t0", "state", "keys", "pos", "entries", "nbytes", "seconds", "began")
+    __slots__ = ("b", "target", "cap", "t0", "state", "items", "left", "entries", "nbytes", "seconds", "began")
 
     def __init__(self, b: int, target: int, cap: Capability, state: BinState) -> None:
         self.b = b
@@ -152,8 +157,11 @@ class Copy:
         self.cap: Capability | None = cap  # at t0 on the pre-copy output, until every chunk is sent
         self.t0 = cap.time
         self.state = state
-        self.keys = list(dict.keys(state))  # the snapshot: copied in this order
-        self.pos = 0
+        # The snapshot (a shallow copy, at C speed): what the target gets ahead; every key changed
+        # after it is tracked from the same moment on.
+        snapshot = dict.copy(state)
+        self.left = len(snapshot)
+        self.items = iter(snapshot.items())
         self.entries = 0
         self.nbytes = 0
         self.seconds = 0.0  # spent copying
@@ -169,10 +177,12 @@ class PreCopier:
     """F's side on one worker: the copies of bins this worker owns, sent as time allows."""
 
     def __init__(self, shared: Shared, chunk: int | None = None, budget: float | None = None,
-                 min_entries: int | None = None) -> None:
+                 min_entries: int | None = None, share: float | None = None) -> None:
         self.shared = shared
         self.chunk = CHUNK if chunk is None else chunk  # defaults: this module's, when built
         self.budget = BUDGET if budget is None else budget
+        self.share = SHARE if share is None else share
+        self.resume = 0.0  # perf_counter time before which no copying is done (the rate limit)
         self.min_entries = MIN_ENTRIES if min_entries is None else min_entries
         self.copies: dict[int, Copy] = {}
 
@@ -199,40 +209,47 @@ class PreCopier:
         assert bin_ is not None
         shared.thaw(b)  # a checkpoint's dump of the bin first (megaphone.checkpoint.BinDump)
         state = bin_.state
+        self.copies[b] = Copy(b, target, cap, state)  # the snapshot, while the state is a plain BinState
         _reached[id(state)] = set()
         state.__class__ = TrackedState
-        self.copies[b] = Copy(b, target, cap, state)
 
-    def step(self, out: OperatorOutput) -> bool:
-        """Send chunks for at most :attr:`budget` seconds; True while some copy still has chunks."""
+    def step(self, out: OperatorOutput) -> float | None:
+        """Send chunks for at most :attr:`budget` seconds, unless the rate limit (:attr:`share`)
+        says wait; the seconds after which to come back while some copy still has chunks, else None."""
         began = _time.perf_counter()
+        if began < self.resume:
+            return self.resume - began
+        try:
+            return self._send(out, began)
+        finally:
+            spent = _time.perf_counter() - began
+            self.resume = began + spent / self.share  # this slice, then (1 - share) of idle copying
+
+    def _send(self, out: OperatorOutput, began: float) -> float | None:
         codec = self.shared.codec
         for copy in self.copies.values():
             if copy.cap is None:
                 continue
-            state, keys = copy.state, copy.keys
-            while copy.pos < len(keys) or copy.pos == 0:  # at least one chunk: it makes the target stage the bin
+            first = copy.entries == 0
+            while copy.left > 0 or first:  # at least one chunk: it makes the target stage the bin
+                first = False
                 t = _time.perf_counter()
-                part = {}
-                for k in keys[copy.pos:copy.pos + self.chunk]:
-                    v = dict.get(state, k, _MISSING)  # not "reached": the copy is not the fold
-                    if v is not _MISSING:
-                        part[k] = v
-                copy.pos += self.chunk
+                part = dict(islice(copy.items, self.chunk))
+                copy.left -= len(part)
                 payload = codec.pack(part, [])
                 out.give_batch(copy.cap, [(copy.target, copy.b, payload, (copy.t0, self.shared.index))])
                 copy.entries += len(part)
                 copy.nbytes += codec.nbytes(payload)
                 copy.seconds += _time.perf_counter() - t
                 if _time.perf_counter() - began > self.budget:
-                    return True
+                    return 0.0
             copy.cap.drop()
             copy.cap = None
-            copy.keys = []
+            copy.items = iter(())
             self.shared.events.append({"kind": "precopy", "time": copy.t0, "bins": [copy.b], "to": [copy.target],
                                        "entries": copy.entries, "bytes": copy.nbytes, "seconds": copy.seconds,
                                        "wall": _time.monotonic() - copy.began, "worker": self.shared.index})
-        return False
+        return None
 
     def hand_over(self, b: int, bin_: Bin, target: int,
                   delivered: Callable[[Any], bool]) -> tuple[bytes | None, Copy | None, str]:

@@ -96,8 +96,10 @@ class RoutingOperator:
                         data_out[i].give_batch(caps[i], batch)
                     caps[i].drop()
         # 6. Copy ahead for a bounded time; come back while copies have chunks left.
-        if self.precopier.copies and self.precopier.step(copy_out):
-            self.activator.activate()
+        if self.precopier.copies:
+            again = self.precopier.step(copy_out)
+            if again is not None:
+                self.activator.activate_after(again)
         # Forget configurations no record can be routed by any more.
         # (Stashed records were consumed already: their times bound the horizon too.)
         low = [t for p in data_in for t in p.frontier] + list(self.stash)

@@ -47,16 +47,17 @@ def test_tracked_state_records_reached_keys_and_voids_on_iteration():
     del _reached[id(s)]
 
 
-def precopy_job(worker, k: int, epochs: list, target=None, steps=None, actions=None, tunables=(0, 4, 0.0),
+def precopy_job(worker, k: int, epochs: list, target=None, steps=None, actions=None, tunables=(0, 4, 0.0, 1.0),
                 spare: int = 0):
     """A keyed count; worker 0 runs a pre-copied rebalance to ``target`` (or the pre-copied
     ``steps``) through a controller once epoch 0 (the pre-load) is applied everywhere, and sends
     ``actions`` (``{epoch: [("precopy" | "moves", {bin: worker})]}``) itself. ``tunables``: the
-    pre-copy's minimum bin size, chunk and time budget (small, so a copy spans many activations).
+    pre-copy's minimum bin size, chunk, time budget (small, so a copy spans many activations) and
+    share of the worker's time.
     ``spare``: the last workers start with no bins."""
     import megaphone.precopy as pc
 
-    pc.MIN_ENTRIES, pc.CHUNK, pc.BUDGET = tunables
+    pc.MIN_ENTRIES, pc.CHUNK, pc.BUDGET, pc.SHARE = tunables
     job = LiveCount(worker, k, workers=worker.peers - spare)
     m = job.machine
     owned_at_start = m.owned_bins()
@@ -127,7 +128,7 @@ def test_copies_overtaken_by_plain_moves_fall_back_to_whole_moves():
         4: [("moves", {3: 2})],
     }
     results = timely.execute(functools.partial(precopy_job, k=k, epochs=epochs, actions=actions,
-                                               steps=[{6: 2}, {6: 0}], tunables=(0, 64, 0.0)), workers=3)
+                                               steps=[{6: 2}, {6: 0}], tunables=(0, 64, 0.0, 1.0)), workers=3)
     assert observed_count([o for r in results for o in r["outputs"]]) == sequential_count(epochs)
     expect = [b % 3 for b in range(1 << k)]
     expect[0], expect[3] = 1, 2
@@ -144,7 +145,7 @@ def test_copies_overtaken_by_plain_moves_fall_back_to_whole_moves():
     assert deltas == [6, 6]
     assert [e for e in events if e.get("skipped")] == []  # bin 1: its owner is the target, no copy
     copied = [e for e in events if e["kind"] == "precopy"]
-    assert sorted(e["bins"][0] for e in copied if e["bins"] != [0]) == [3, 6, 6]
+    assert [e["bins"][0] for e in copied].count(6) == 2  # (bins 0 and 3: done or not when they moved)
 
 
 @pytest.mark.timeout(300)
@@ -156,7 +157,7 @@ def test_scale_out_onto_spare_workers_moves_half_the_bins():
     epochs = [preload(3200)] + [[(rng.randrange(3200), 1) for _ in range(40)] for _ in range(30)]
     target = balanced(1 << k, 4)
     results = timely.execute(functools.partial(precopy_job, k=k, epochs=epochs, target=target, spare=2,
-                                               tunables=(0, 32, 0.0)), workers=4)
+                                               tunables=(0, 32, 0.0, 0.2)), workers=4)  # rate-limited copies
     assert [len(r["owned_at_start"]) for r in results] == [8, 8, 0, 0]
     assert observed_count([o for r in results for o in r["outputs"]]) == sequential_count(epochs)
     assert all(r["table"] == list(target) for r in results)
