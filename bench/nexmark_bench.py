@@ -30,6 +30,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import megaphone
 from nexmark.driver import Spec, run
 from nexmark.harness import CHECK_CONFIG, CHECK_PARAMS, Run, diff, execute, expected, random_moves
 from nexmark.model import Params
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-dilation", type=int, default=1, help="event time / wall time (default 1)")
     ap.add_argument("--k", type=int, default=8, help="2^k Megaphone bins (default 8)")
     ap.add_argument("--migration", default=None,
-                    help="migration strategy: all_at_once, fluid or batched, or a comma-separated list run in turn "
+                    help="migration strategy: all_at_once, fluid or batched (each also with +precopy: copied ahead), "
+                         "or a comma-separated list run in turn "
                          "(Megaphone variant; needs --migrate-at)")
     ap.add_argument("--runs", type=int, default=1,
                     help="runs of each configuration; with more than one, a table of medians follows (default 1)")
@@ -204,9 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
 
     strategies: list[str | None] = args.migration.split(",") if args.migration else [None]
+    known = (*megaphone.STRATEGIES, *(f"{s}+precopy" for s in megaphone.STRATEGIES))
     for m in strategies:
-        if m not in (None, "all_at_once", "fluid", "batched"):
-            raise SystemExit(f"--migration: unknown strategy {m!r} (all_at_once, fluid or batched)")
+        if m is not None and m not in known:
+            raise SystemExit(f"--migration: unknown strategy {m!r} ({', '.join(known)})")
     if args.runs < 1:
         raise SystemExit("--runs must be at least 1")
     if args.migration and not args.migrate_at:

@@ -47,11 +47,23 @@ class ControlInput:
         #: default of a :class:`~megaphone.endpoint.ControlEndpoint` serving its controller.
         self.secret = getattr(scope.worker, "secret", None)
         self._sent: tuple[Any, tuple | None, dict[int, int]] = (None, None, {})  # (time, table, moves) sent then
+        self._copied: list[timely.ProbeHandle] = []  # Migratable.copied of every operator on this input
 
     @property
     def time(self) -> Any:
         """The control input's current time."""
         return self.handle.time
+
+    @property
+    def copied(self) -> CopiedProbe:
+        """The copies ahead of every migratable operator built on this input (their
+        ``Migratable.copied`` together): ``less_equal(t)`` while one of them has a copy requested at
+        or before ``t`` not yet staged (:mod:`megaphone.precopy`)."""
+        return CopiedProbe(self._copied)
+
+    def attach(self, copied: timely.ProbeHandle) -> None:
+        """Called by each migratable operator built on this input with its ``copied`` probe."""
+        self._copied.append(copied)
 
     @property
     def closed(self) -> bool:
@@ -125,3 +137,14 @@ class ControlInput:
     def close(self) -> None:
         """No more configuration updates."""
         self.handle.close()
+
+
+class CopiedProbe:
+    """Several ``Migratable.copied`` probes as one (:attr:`ControlInput.copied`)."""
+
+    def __init__(self, probes: Sequence[timely.ProbeHandle]) -> None:
+        self.probes = probes
+
+    def less_equal(self, time: Any) -> bool:
+        """True while some copy requested at or before ``time`` is not staged yet."""
+        return any(p.less_equal(time) for p in self.probes)

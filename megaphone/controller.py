@@ -118,8 +118,9 @@ class Controller:
     :meth:`tick`, so durations have the resolution of the driver loop.
 
     ``control`` is a :class:`~megaphone.control.ControlInput` and ``probe`` a ``Migratable.probe``
-    (or test doubles: see :class:`Control` and :class:`Probe`). ``copied`` (``Migratable.copied``)
-    enables pre-copied migrations (``precopy=True``): each step first copies its bins ahead
+    (or test doubles: see :class:`Control` and :class:`Probe`). ``copied`` (default:
+    ``control.copied``, the copies of every operator on the control input) enables pre-copied
+    migrations (``precopy=True``): each step first copies its bins ahead
     (:meth:`ControlInput.precopy <megaphone.ControlInput.precopy>`), and is issued (handed over)
     once ``copied`` has passed the copy's time (``what`` = ``"copying"`` before ``"issued"``).
     """
@@ -128,7 +129,7 @@ class Controller:
                  on_progress: Callable[[StepEvent, str], None] | None = None, copied: Probe | None = None) -> None:
         self.control = control
         self.probe = probe
-        self.copied = copied
+        self.copied = copied if copied is not None else getattr(control, "copied", None)
         prepare()  # the planner's import now, not in the middle of the first migration
         self.nbins: int = control.nbins
         self.peers: int = control.peers

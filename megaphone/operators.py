@@ -172,6 +172,8 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
     sb.build(build_s)
     out = s_stream.probe_with(probe)
     ack_stream.probe_with(copied)
+    if isinstance(control, ControlInput):
+        control.attach(copied)
     probe.watch(fb.activator)  # F wakes up when S's output frontier moves
     return Migratable(out, probe, shared, copied)
 

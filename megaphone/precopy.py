@@ -52,7 +52,7 @@ BUDGET = 0.0005
 #: Share of a worker's time the copies may take, at most (the rate limit that keeps steady latency).
 SHARE = 0.05
 #: Bins with fewer entries move whole (a copy ahead would not pay for its bookkeeping).
-MIN_ENTRIES = 10_000
+MIN_ENTRIES = 256
 #: A delta larger than this fraction of its bin's entries falls back to a whole move.
 MAX_DELTA_FRACTION = 0.5
 

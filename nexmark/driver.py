@@ -145,7 +145,7 @@ class WorkerRun:
         self.controller: Any = None
         self.targets: list = []
         if self.control is not None and worker.index == 0 and spec.migration:
-            self.controller = megaphone.Controller(self.control, self.probe)
+            self.controller = megaphone.Controller(self.control, self.probe)  # copies ahead: control.copied
             self.targets = _targets(self.controller, worker.peers, len(spec.migrate_at), spec.skew)
         self.migrations = sorted(spec.migrate_at)
         self.history = int(spec.history * 1000)  # epochs replayed before the measured phase
@@ -188,7 +188,8 @@ class WorkerRun:
         self.done_sending = due >= self.epochs
         if self.controller is not None and self.migrations and now >= self.migrations[0]:
             self.migrations.pop(0)
-            self.controller.rebalance(self.targets.pop(0), self.spec.migration)
+            strategy, _, precopy = str(self.spec.migration).partition("+")  # "batched+precopy": copied ahead
+            self.controller.rebalance(self.targets.pop(0), strategy, precopy=bool(precopy))
 
     def replay_history(self, round_epochs: int = 20, in_flight: int = 3) -> None:
         """Send the history's events (epochs ``[0, history)``) as fast as the dataflow takes them,
