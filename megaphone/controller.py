@@ -120,10 +120,9 @@ class Controller:
     ``control`` is a :class:`~megaphone.control.ControlInput` and ``probe`` a ``Migratable.probe``
     (or test doubles: see :class:`Control` and :class:`Probe`). ``copied`` (default:
     ``control.copied``, the copies of every operator on the control input) enables pre-copied
-    migrations (``precopy=True``): the first step requests copies ahead of the bins of every step
-    (:meth:`ControlInput.precopy <megaphone.ControlInput.precopy>`); once ``copied`` has passed
-    that request's time the steps are issued (handed over) one by one as before (``what`` =
-    ``"copying"`` before ``"issued"``).
+    migrations (``precopy=True``): each step first copies its bins ahead
+    (:meth:`ControlInput.precopy <megaphone.ControlInput.precopy>`), and is issued (handed over)
+    once ``copied`` has passed the copy's time (``what`` = ``"copying"`` before ``"issued"``).
     """
 
     def __init__(self, control: Control, probe: Probe, table: Sequence[int] | None = None,
@@ -221,23 +220,10 @@ class Controller:
         ev = self._queue.popleft()
         self._in_flight = ev
         if ev.precopy:
-            if ev.copy_time is None:
-                # The first step of a pre-copied migration requests the copies of all its steps at
-                # once; they proceed in the background (rate-limited), then the steps are handed
-                # over one by one (each a small delta). A step that moves a bin an earlier step
-                # moves too is left out: it requests its own copies when its turn comes.
-                steps: list[StepEvent] = []
-                seen: set[int] = set()
-                moves: dict[int, int] = {}
-                for e in [ev, *(e for e in self._queue if e.migration == ev.migration)]:
-                    if e.copy_time is None and not seen & e.moves.keys():
-                        steps.append(e)
-                        moves.update(e.moves)
-                    seen |= e.moves.keys()
-                self.control.precopy(moves)
-                now, mono = _time.time(), _time.monotonic()
-                for e in steps:
-                    e.copy_time, e.copy_at, e._copy_mono = self.control.time, now, mono
+            # Each step copies its own bins ahead, just before its hand-over: the deltas stay small
+            # (copying every step's bins at once made the hand-overs ship what changed meanwhile).
+            self.control.precopy(ev.moves)
+            ev.copy_time, ev.copy_at, ev._copy_mono = self.control.time, _time.time(), _time.monotonic()
             self._notify(ev, "copying")
             return True
         self._issue(ev)
