@@ -11,14 +11,17 @@
 from __future__ import annotations
 
 import functools
+import os
 import pickle
 import random
+import signal
 import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from megaphone_jobs import STEP_TIMEOUT, LiveCount, observed_count, sequential_count
+from procs import no_leftover_children
 
 import timely
 from megaphone.bins import BinState
@@ -175,3 +178,36 @@ def test_spare_workers_are_checked():
             return list(ControlInput(scope, k=3, workers=1).initial)
 
     assert timely.execute(main, workers=2) == [[0] * 8, [0] * 8]
+
+
+def killed_during_copy_job(worker, k: int, epochs: list):
+    """A pre-copied rebalance, slow (1% share); worker 0 SIGKILLs itself while its step is copying."""
+    import megaphone.precopy as pc
+
+    pc.MIN_ENTRIES, pc.CHUNK, pc.BUDGET, pc.SHARE = 0, 8, 0.0, 0.01
+    job = LiveCount(worker, k)
+    m = job.machine
+    job.advance(epochs[0][worker.index::worker.peers])
+    worker.step_while(lambda: m.probe.less_equal(0), timeout=STEP_TIMEOUT)
+    ctl = Controller(job.control, m.probe) if worker.index == 0 else None
+    if ctl is not None:
+        ctl.rebalance([1 - b % 2 for b in range(1 << k)], "batched", precopy=True)
+    copying = 0
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while True:
+        if ctl is not None and ctl.in_flight is not None and ctl.in_flight.state == "copying":
+            copying += 1
+            if copying == 5:  # the copies are under way (500 chunks of 8 entries at 1%: seconds)
+                os.kill(os.getpid(), signal.SIGKILL)
+        job.advance([], ctl)
+        assert time.monotonic() < deadline, "the copy never started"
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_during_a_copy_fails_the_job_naming_it():
+    """Without checkpoints a worker lost during a copy ahead ends the job with a clear error, and no
+    process is left behind (with checkpoints the job recovers: test_checkpoint_recovery)."""
+    epochs = [preload(4000)]
+    with no_leftover_children():
+        with pytest.raises(timely.WorkerError, match="worker 0 .*killed by signal SIGKILL"):
+            timely.execute(functools.partial(killed_during_copy_job, k=3, epochs=epochs), workers=2, timeout=60)
