@@ -12,6 +12,7 @@ from typing import Any
 
 from timely.routing import bins_of, hash64
 
+from .autobalance import AutoBalancer, BalancePolicy
 from .bins import MegaphoneError
 from .control import ControlInput
 from .controller import Controller, StepEvent
@@ -22,7 +23,7 @@ from .state import BinNotificator
 from .table import TableError, balanced, moved_bins, skewed, validate_table, validate_update
 
 __all__ = [
-    "STRATEGIES", "BinNotificator", "ControlEndpoint", "ControlInput", "Controller",
+    "STRATEGIES", "AutoBalancer", "BalancePolicy", "BinNotificator", "ControlEndpoint", "ControlInput", "Controller",
     "EndpointError", "MegaphoneError", "Migratable", "RequestError", "StepEvent", "TableError", "aggregate", "balanced",
     "binary", "bins_of", "bins_of_column", "hash64", "moved_bins", "plan", "skewed", "state_machine", "unary", "validate_table",
     "validate_update",

@@ -10,7 +10,9 @@ from itertools import islice
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
-from timely import Activator, TimelyError
+import numpy as np
+
+from timely import Activator, TimelyError, Worker
 
 from .table import Table, balanced
 
@@ -147,6 +149,37 @@ class Shared:
         # With checkpoints, the bins offered whole and not yet serialised (megaphone.checkpoint.BinDump):
         # thaw(b) before anything changes bin b's state.
         self.frozen: dict[int, Callable[[], bytes]] = {}
+        # Load (timely.metrics, megaphone.autobalance): records S applied per bin, counted per batch.
+        self.bin_records = np.zeros(self.nbins, dtype=np.int64)
+        self.metrics_name = name
+        Worker.add_metrics_source(self)
+
+    def count(self, bins: Sequence[int]) -> None:
+        """Count records applied to ``bins`` (one bin per record, as :func:`timely.routing.bins_of` gives)."""
+        if not bins:
+            return
+        if self.nbins <= 256:  # bytes() converts a list of small ints in C: half of fromiter's cost
+            counts = np.bincount(np.frombuffer(bytes(bins), dtype=np.uint8), minlength=self.nbins)
+        else:
+            counts = np.bincount(np.fromiter(bins, dtype=np.intp, count=len(bins)), minlength=self.nbins)
+        self.bin_records += counts
+
+    def metrics(self) -> dict[str, Any]:
+        """This worker's figures for :mod:`timely.metrics` (a "bins" source): records applied per bin
+        (cumulative), state entries per bin held here, the bins held, and migration counters."""
+        size = self.codec.size
+        counters = {"installs": 0, "install_bytes": 0, "install_seconds": 0.0,
+                    "extracts": 0, "extract_bytes": 0, "extract_seconds": 0.0}
+        for ev in list(self.events):
+            kind = ev.get("kind")
+            if kind in ("install", "extract"):
+                counters[kind + "s"] += 1
+                counters[kind + "_bytes"] += int(ev.get("bytes", 0))
+                counters[kind + "_seconds"] += float(ev.get("seconds", 0.0))
+        bins = list(self.bins)
+        return {"kind": "bins", "records": self.bin_records.tolist(),
+                "state": [0 if b is None else int(size(b.state)) for b in bins],
+                "owned": [i for i, b in enumerate(bins) if b is not None], "counters": counters}
 
     def thaw(self, b: int) -> None:
         """Bin ``b`` is about to change: serialise it first if a checkpoint still needs its state

@@ -153,6 +153,7 @@ class RunningAggregates(StateCodec):
         partial = Aggregation(self.key, self.states, self.schema)
         for b in rows:
             partial.update(b)
+            shared.bin_records += np.bincount(self._bins(b, shared.k), minlength=shared.nbins)  # load (metrics)
         new = partial.finish()
         new = pa.RecordBatch.from_arrays(new.columns, schema=self.state_schema)
         bins = self._bins(new, shared.k)

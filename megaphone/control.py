@@ -46,6 +46,9 @@ class ControlInput:
         #: The job secret of the worker that built this input (:attr:`timely.Worker.secret`): the
         #: default of a :class:`~megaphone.endpoint.ControlEndpoint` serving its controller.
         self.secret = getattr(scope.worker, "secret", None)
+        #: The worker that built this input: a :class:`~megaphone.Controller` on it connects to the
+        #: launcher's ``--dashboard``, ``--autobalance`` and metrics (:func:`megaphone.autobalance.attach`).
+        self.worker = scope.worker
         self._sent: tuple[Any, tuple | None, dict[int, int]] = (None, None, {})  # (time, table, moves) sent then
         self._copied: list[timely.ProbeHandle] = []  # Migratable.copied of every operator on this input
 

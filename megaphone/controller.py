@@ -145,6 +145,14 @@ class Controller:
         self._in_flight: StepEvent | None = None
         self._migrations = 0
         self._pollers: list[Callable[[], object]] = []
+        #: The :class:`~megaphone.AutoBalancer` the launcher's ``--autobalance`` started on this
+        #: controller, if any (the dashboard and the metrics are connected too).
+        self.balancer: Any = None
+        worker = getattr(control, "worker", None)
+        if worker is not None:
+            from .autobalance import attach  # (it imports this module)
+
+            self.balancer = attach(self, worker)
 
     # -- queuing ------------------------------------------------------------------------------
     def start(self, steps: Sequence[Mapping[int, int]], precopy: bool = False) -> int:

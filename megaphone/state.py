@@ -38,6 +38,7 @@ def per_record_time(key: Any, apply: PerRecord) -> PerTime:
                 bins = routing.bins_of(batch, key, shared.k)
             except Exception as e:
                 raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
+            shared.count(bins)  # the per-bin load (one bincount per batch)
             if dirty is not None:
                 if shared.frozen:  # copy on write: bins a checkpoint has not serialised yet
                     for b in set(bins).intersection(shared.frozen):
@@ -229,6 +230,7 @@ class StateOperator:
                     bins = routing.bins_of(batch, self.keys[i], shared.k)
                 except Exception as e:
                     raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
+                shared.count(bins)  # the per-bin load (one bincount per batch)
                 for b, r in zip(bins, batch):
                     g = groups.get(b)
                     if g is None:

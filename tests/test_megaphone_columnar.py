@@ -133,7 +133,8 @@ def test_every_bin_moves_and_back():
 
 
 def test_state_is_a_table_of_running_aggregates():
-    """``Migratable.state()`` is the running aggregates of the bins a worker holds, as a table."""
+    """``Migratable.state()`` is the running aggregates of the bins a worker holds, as a table; the
+    rows applied are counted per bin (the load the metrics and the AutoBalancer read)."""
     schema = schema_of("string")
 
     def main(worker):
@@ -145,10 +146,12 @@ def test_state_is_a_table_of_running_aggregates():
         inp.advance_to(1)
         control.advance_to(1)
         worker.step_while(lambda: m.probe.less_than(1))
-        return m.state(), m.batches.schema
+        return m.state(), m.batches.schema, m._shared.bin_records.tolist()
 
-    [(state, out_schema)] = run(main, 1)
+    [(state, out_schema, load)] = run(main, 1)
     assert isinstance(state, pa.Table)
+    bin_a, bin_b = (megaphone.bins_of([(key,)], 0, 2)[0] for key in ("a", "b"))
+    assert load == [2 * (b == bin_a) + (b == bin_b) for b in range(4)]  # rows applied per bin (metrics)
     assert sorted(state.to_pylist(), key=lambda r: r["key"]) == [{"key": "a", "v_sum": 3}, {"key": "b", "v_sum": None}]
     assert out_schema == pa.schema([("key", pa.string()), ("v_sum", pa.int64())])
 

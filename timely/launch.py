@@ -168,6 +168,20 @@ def _parser() -> argparse.ArgumentParser:
     ck.add_argument("--restarts", type=int, default=0, metavar="R",
                     help="on one host: when a worker dies or raises, start all workers again from the latest "
                          "checkpoint, up to R times (default 0)")
+    ob = p.add_argument_group("observing and steering (one host)")
+    ob.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                    help="serve every worker's metrics for Prometheus on PORT (worker 0, loopback unless --metrics-host)")
+    ob.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",
+                    help="address of the Prometheus endpoint and the dashboard (default 127.0.0.1)")
+    ob.add_argument("--dashboard", type=int, default=None, metavar="PORT",
+                    help="serve a live dashboard on PORT (worker 0): operators, worker load, lag, bins, migrations; "
+                         "the job connects its Megaphone controller with megaphone.autobalance.attach(controller, worker)")
+    ob.add_argument("--metrics-interval", type=float, default=1.0, metavar="S",
+                    help="seconds between each worker's metrics reports (default 1)")
+    ob.add_argument("--autobalance", nargs="?", const="", default=None, metavar="OPTS",
+                    help="let megaphone.AutoBalancer move bins when the load is uneven; OPTS: comma-separated "
+                         "knob=value (threshold, hold, cooldown, window, target, strategy); the job attaches it "
+                         "with megaphone.autobalance.attach(controller, worker)")
     p.add_argument("--fuzz", type=int, default=None, metavar="SEED",
                    help="run under the schedule fuzzer seeded by SEED (batches split, reordered, delayed)")
     p.add_argument("job", help="the job file: a Python file defining main(worker)")
@@ -220,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError("--restarts works on one host only (without --hostfile)")
         if opts.watchdog_warn and opts.watchdog is None:
             raise _UsageError("--watchdog-warn needs --watchdog S")
+        autobalance = _check_observe(opts)
         check_job(opts.job)
         try:
             secret = resolve(None, opts.secret_file)  # once here, not in every worker
@@ -227,9 +242,59 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(str(exc)) from None
         with contextlib.ExitStack() as cleanup:
             endpoints, bind, token = _addresses(opts, cleanup)
+            cleanup.enter_context(_metrics_env(opts, autobalance))
             return _run(opts, endpoints, bind, token, secret)
     except (_UsageError, JobFileError, HostfileError) as exc:
         return _error(str(exc))
+
+
+def _check_observe(opts: argparse.Namespace) -> dict[str, Any] | None:
+    """Check the metrics and AutoBalancer options; return the AutoBalancer's knobs (None: off)."""
+    if opts.metrics_port is not None and not 0 <= opts.metrics_port < 65536:
+        raise _UsageError(f"--metrics-port must be a port number, not {opts.metrics_port}")
+    if opts.dashboard is not None and not 0 <= opts.dashboard < 65536:
+        raise _UsageError(f"--dashboard must be a port number, not {opts.dashboard}")
+    if not opts.metrics_interval > 0:
+        raise _UsageError(f"--metrics-interval must be a positive number of seconds, not {opts.metrics_interval:g}")
+    if (opts.metrics_port is not None or opts.autobalance is not None or opts.dashboard is not None) and opts.hostfile:
+        raise _UsageError("--metrics-port, --dashboard and --autobalance work on one host only (without --hostfile)")
+    if opts.autobalance is None:
+        return None
+    knobs: dict[str, Any] = {}
+    for item in filter(None, opts.autobalance.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise _UsageError(f"--autobalance: {item!r} is not knob=value")
+        try:
+            knobs[name.strip()] = value.strip() if name.strip() == "strategy" else float(value)
+        except ValueError:
+            raise _UsageError(f"--autobalance: {name}={value!r} is not a number") from None
+    return knobs
+
+
+@contextlib.contextmanager
+def _metrics_env(opts: argparse.Namespace, autobalance: dict[str, Any] | None) -> Any:
+    """With metrics or the AutoBalancer asked for: the workers' configuration (:mod:`timely.metrics`)
+    in the environment they inherit, its hub socket in a private directory; both removed after."""
+    if opts.metrics_port is None and autobalance is None and opts.dashboard is None:
+        yield
+        return
+    import tempfile
+
+    from .metrics import ENV, MetricsConfig
+
+    with tempfile.TemporaryDirectory(prefix="timely-metrics-") as d:
+        config = MetricsConfig(hub=f"ipc://{d}/hub", interval=opts.metrics_interval, port=opts.metrics_port,
+                               dashboard=opts.dashboard, host=opts.metrics_host, autobalance=autobalance)
+        previous = os.environ.get(ENV)
+        os.environ[ENV] = config.to_env()
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = previous
 
 
 def _addresses(opts: argparse.Namespace, cleanup: contextlib.ExitStack) -> tuple[list[str], dict[int, str], str]:

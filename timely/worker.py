@@ -14,6 +14,7 @@ from .dataflow.fuzz import Fuzzer
 from .dataflow.input import InputHandle
 from .dataflow.scope import Scope
 from .errors import BuildError, ProgressMismatchError
+from .metrics import WorkerMetrics, add_source, attach
 from .watchdog import Watchdog
 
 #: Longest park (seconds) of a worker with checkpoints: worker 0 checks for commits this often.
@@ -60,6 +61,12 @@ class Worker:
             from .checkpoint.checkpointer import Checkpointer  # (fsspec: only for jobs with checkpoints)
 
             self.checkpoint = Checkpointer.open(checkpoint, self.index, self.peers, self._job_id)
+        # Metrics (timely.metrics): counters always; the reporter, hub and endpoints when configured.
+        self.metrics: WorkerMetrics = attach(self)
+
+    #: Register a metrics source (an object with ``metrics_name`` and ``metrics()``) for every worker
+    #: of this process: :func:`timely.metrics.add_source`, here for the libraries built on timely.
+    add_metrics_source = staticmethod(add_source)
 
     @property
     def job_id(self) -> str:
@@ -124,12 +131,16 @@ class Worker:
         # the steps below read it (the progress channels completely).
         finished = alloc.finished()
         alloc.receive()
+        metrics = self.metrics
+        unread = metrics.before_take()
         events = alloc.events()  # the channels that received messages: only their pullers are read
+        metrics.after_take(unread)  # the bytes received since the last step
         did = False
         for df in self._dataflows:
             did = df.step(events) or did
         alloc.release()
         if any(df.complete() for df in self._dataflows):
+            self.metrics.retire([df for df in self._dataflows if df.complete()])  # their final counts
             self._dataflows = [df for df in self._dataflows if not df.complete()]
         if not did and timeout != 0 and not any(df.busy() for df in self._dataflows):
             if finished:
@@ -180,7 +191,8 @@ class Worker:
 
     def close(self) -> None:
         """Release what the worker holds outside its dataflows (the watchdog's and the checkpoint
-        writer's threads); idempotent."""
+        writer's threads, the metrics reporter and servers); idempotent."""
+        self.metrics.close()
         if self.checkpoint is not None:
             self.checkpoint.close()
         if self.watchdog is not None:

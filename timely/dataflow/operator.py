@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from time import perf_counter
 from typing import Any, Protocol
 
 from ..errors import OperatorError
@@ -51,6 +52,7 @@ class InputPort:
     def deliver(self, time: Any, batch: Sequence) -> None:
         """Queue a received batch and activate the operator (when fuzzing: hand it to the fuzzer,
         which queues it at a later step)."""
+        self.op.records_in += len(batch)  # metrics (timely.metrics): per batch, never per record
         if self._fuzzer is None:
             self.queue.append((time, batch))
             self.op.activate()
@@ -74,6 +76,7 @@ class OutputPort:
         """Push ``batch`` at ``time`` along every edge and count it as produced at each target."""
         if not batch:
             return
+        self.op.records_out += len(batch)  # metrics (timely.metrics): records produced, once per batch
         update = self._update
         for channel, target in self.channels:
             n = channel.push(time, batch)
@@ -97,6 +100,12 @@ class OperatorCore:
         self.frontier_interest = False
         self.logic: Callable[[], Any] | None = None
         self.handles: list[Flushable] = []  # output handles flushed after each invocation
+        # Metrics (timely.metrics), counted per batch and per invocation so that they can stay on:
+        # records received at the inputs and sent at the outputs, invocations and their seconds.
+        self.records_in = 0
+        self.records_out = 0
+        self.activations = 0
+        self.busy_seconds = 0.0
 
     def consumed(self, port: int, time: Any, count: int) -> None:
         """Record ``count`` records at ``time`` taken from input ``port``."""
@@ -111,6 +120,7 @@ class OperatorCore:
         """Run the logic once and flush its outputs; user exceptions become :class:`OperatorError`."""
         if self.logic is None:
             return
+        started = perf_counter()
         try:
             self.logic()
             for handle in self.handles:
@@ -119,6 +129,9 @@ class OperatorCore:
             raise
         except Exception as e:
             raise OperatorError(self.name, self.ctx.index, e) from e
+        finally:
+            self.activations += 1
+            self.busy_seconds += perf_counter() - started
 
     def __repr__(self) -> str:
         return f"<operator {self.index} '{self.name}'>"

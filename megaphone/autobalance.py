@@ -1,0 +1,357 @@
+"""Automatic rebalancing: move bins when the load on the workers stays uneven.
+
+:class:`BalancePolicy` is the decision, a pure class tested on synthetic load traces: it is fed the
+records per second of every bin (and, optionally, every worker's busy fraction) at each evaluation,
+averages them over a ``window`` of evaluations, and once the busiest worker's load has exceeded the
+mean by more than ``threshold`` for ``hold`` consecutive evaluations, plans a target table
+(:func:`even`) that brings it under ``target`` (below ``threshold``: hysteresis) moving few bins,
+preferring small ones. After a plan it keeps quiet for ``cooldown`` seconds, and it never plans
+while a migration runs.
+
+:class:`AutoBalancer` drives it on worker 0: it reads the per-bin rates that every worker reports
+to worker 0's metrics hub (:mod:`timely.metrics`: the per-bin counts travel with the metrics
+snapshots, not through a dataflow, so gathering them needs no operator in the job and keeps going
+while the dataflow is overloaded), evaluates the policy every ``interval`` seconds from
+:meth:`Controller.tick <megaphone.Controller.tick>` (it registers as a poller) and starts the plan as
+one batched migration. It also estimates how many workers the observed rates need
+(:func:`workers_needed`, DS2's true processing rate: records per busy second).
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time as _time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from timely import TimelyError, Worker
+
+from .controller import Controller
+from .plan import STRATEGIES
+from .table import Table, apply, balanced, move_updates, validate_move
+
+#: The policy's knobs and their defaults (also the launcher's ``--autobalance knob=value,...``).
+DEFAULTS: dict[str, Any] = {"threshold": 0.25, "target": None, "hold": 3, "cooldown": 10.0, "window": 3,
+                            "min_busy": 0.0, "interval": 1.0, "strategy": "batched"}
+
+
+def worker_loads(loads: Sequence[float], table: Sequence[int], peers: int) -> list[float]:
+    """The load of each worker: the sum of the loads of the bins ``table`` gives it."""
+    out = [0.0] * peers
+    for b, w in enumerate(table):
+        out[w] += loads[b]
+    return out
+
+
+def imbalance(loads: Sequence[float], table: Sequence[int], peers: int) -> float:
+    """How far the busiest worker's load exceeds the mean, relative to the mean (0: even)."""
+    wl = worker_loads(loads, table, peers)
+    mean = sum(wl) / peers
+    return max(wl) / mean - 1.0 if mean > 0 else 0.0
+
+
+def even(loads: Sequence[float], table: Sequence[int], peers: int, target: float,
+         sizes: Sequence[float] | None = None) -> Table:
+    """A table close to ``table`` whose busiest worker is at most ``target`` over the mean, if moves
+    of whole bins allow: bins go one at a time from the busiest to the least busy worker, each the
+    bin that best narrows their gap (so few move), the smaller state first among equals (``sizes``).
+    Every move strictly lowers the sum of squared worker loads, so it ends; where it ends early no
+    bin of the busiest worker fits the gap, and that worker is within one bin's load of the mean."""
+    owner = list(table)
+    wl = worker_loads(loads, owner, peers)
+    mean = sum(wl) / peers
+    held: list[set[int]] = [set() for _ in range(peers)]
+    for b, w in enumerate(owner):
+        held[w].add(b)
+    for _ in range(len(owner) * peers):
+        hi = max(range(peers), key=lambda w: (wl[w], -w))
+        lo = min(range(peers), key=lambda w: (wl[w], w))
+        if wl[hi] <= mean * (1.0 + target):
+            break
+        gap = wl[hi] - wl[lo]
+        fits = [b for b in held[hi] if 0 < loads[b] < gap]
+        if not fits:
+            break
+        b = min(fits, key=lambda b: (max(wl[hi] - loads[b], wl[lo] + loads[b]), sizes[b] if sizes else 0, b))
+        held[hi].discard(b)
+        held[lo].add(b)
+        owner[b] = lo
+        wl[hi] -= loads[b]
+        wl[lo] += loads[b]
+    return tuple(owner)
+
+
+def workers_needed(records_per_s: Sequence[float], busy: Sequence[float], utilization: float = 0.8) -> int | None:
+    """DS2's estimate of the workers the observed rates need: each worker's true processing rate is
+    its records per busy second (``records_per_s[w] / busy[w]``, busy as seconds per second); the
+    job needs the total rate over the mean true rate, at ``utilization``. None without busy time."""
+    rates = [r / b for r, b in zip(records_per_s, busy) if b > 0 and r > 0]
+    if not rates:
+        return None
+    capacity = sum(rates) / len(rates) * utilization
+    return max(1, math.ceil(sum(records_per_s) / capacity))
+
+
+class BalancePolicy:
+    """When to rebalance and to what (see the module documentation for the knobs)."""
+
+    def __init__(self, peers: int, threshold: float = 0.25, target: float | None = None, hold: int = 3,
+                 cooldown: float = 10.0, window: int = 3, min_busy: float = 0.0) -> None:
+        if not threshold > 0:
+            raise ValueError(f"threshold must be positive, not {threshold}")
+        self.peers = peers
+        self.threshold = threshold
+        self.target = threshold / 2 if target is None else target
+        if not 0 <= self.target < threshold:
+            raise ValueError(f"target ({self.target}) must be below threshold ({threshold}): that is the hysteresis")
+        self.hold = max(1, int(hold))
+        self.cooldown = cooldown
+        self.min_busy = min_busy
+        self._window: deque[list[float]] = deque(maxlen=max(1, int(window)))
+        self._streak = 0
+        self._quiet_until = -math.inf
+        self.last_imbalance = 0.0
+
+    def loads(self) -> list[float]:
+        """The per-bin loads averaged over the window."""
+        n = len(self._window)
+        return [sum(col) / n for col in zip(*self._window)] if n else []
+
+    def plan(self, loads: Sequence[float], table: Sequence[int], now: float, busy: Sequence[float] | None = None,
+             migrating: bool = False, sizes: Sequence[float] | None = None) -> Table | None:
+        """Take one observation (records per second per bin under ``table`` at ``now`` seconds);
+        return a target table to migrate to, or None. ``busy``: each worker's busy fraction (with
+        ``min_busy``, an uneven but idle job is left alone); ``migrating``: a migration runs (no plan,
+        and the streak restarts); ``sizes``: per-bin state sizes (ties prefer small bins)."""
+        self._window.append([float(x) for x in loads])
+        avg = self.loads()
+        self.last_imbalance = imbalance(avg, table, self.peers)
+        if migrating or now < self._quiet_until:
+            self._streak = 0
+            return None
+        over = self.last_imbalance > self.threshold
+        if busy is not None and self.min_busy > 0 and max(busy, default=0.0) < self.min_busy:
+            over = False
+        self._streak = self._streak + 1 if over else 0
+        if self._streak < self.hold:
+            return None
+        self._streak = 0
+        target = even(avg, table, self.peers, self.target, sizes)
+        if tuple(target) == tuple(table):
+            return None  # no move of whole bins helps
+        self._quiet_until = now + self.cooldown
+        return target
+
+
+class AutoBalancer:
+    """Runs a :class:`BalancePolicy` on worker 0's metrics and starts its plans on ``controller``.
+
+    ``worker`` is worker 0 (its ``metrics.hub`` has every worker's per-bin rates: run the job with
+    ``--autobalance`` or ``--metrics-port``, or a :class:`timely.metrics.MetricsConfig`); ``name`` is
+    the migratable operator's name (default: the only one reported). :attr:`decisions` lists what
+    was decided; :attr:`needed` the latest :func:`workers_needed` estimate."""
+
+    def __init__(self, controller: Controller, worker: Any, name: str | None = None, **knobs: Any) -> None:
+        unknown = set(knobs) - set(DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown AutoBalancer knob(s) {sorted(unknown)} (known: {', '.join(DEFAULTS)})")
+        opts = {**DEFAULTS, **knobs}
+        hub = getattr(getattr(worker, "metrics", None), "hub", None)
+        if hub is None:
+            raise ValueError("the AutoBalancer needs worker 0's metrics hub: run the job with --autobalance or "
+                             "--metrics-port (or set timely.metrics.ENV), and create it on worker 0")
+        self.controller = controller
+        self.hub = hub
+        self.name = name
+        self.strategy = str(opts["strategy"])
+        self.interval = float(opts["interval"])
+        self.policy = BalancePolicy(controller.peers, float(opts["threshold"]),
+                                    None if opts["target"] is None else float(opts["target"]), int(opts["hold"]),
+                                    float(opts["cooldown"]), int(opts["window"]), float(opts["min_busy"]))
+        self.decisions: list[dict[str, Any]] = []
+        self.needed: int | None = None
+        self._next = 0.0
+        self._seen = -1
+        self._totals: tuple[float, list[int]] | None = None
+        controller.add_poller(self.poll)
+
+    def poll(self) -> None:
+        """Evaluate the policy if ``interval`` has passed and new reports arrived (a poller of
+        :meth:`Controller.tick <megaphone.Controller.tick>`)."""
+        now = _time.monotonic()
+        if now < self._next or self.hub.received == self._seen:
+            return
+        self._next = now + self.interval
+        self._seen = self.hub.received
+        view = self.hub.view()
+        bins = view["bins"]
+        name = self.name if self.name is not None else next(iter(bins), None)
+        agg = bins.get(name) if name is not None else None
+        if agg is None or len(view["rated"]) < self.controller.peers:
+            return  # some worker's rates are not known yet: its bins would look idle
+        # Rates over this evaluation's interval, from the cumulative per-bin counts of every worker
+        # (steadier than each worker's last report interval, which the reports' timing skews).
+        totals, last = agg["records"], self._totals
+        self._totals = (now, list(totals))
+        if last is None or now <= last[0] or len(last[1]) != len(totals):
+            return
+        rates = [(x - y) / (now - last[0]) for x, y in zip(totals, last[1])]
+        c = self.controller
+        busy = [0.0] * c.peers
+        for w in view["workers"]:
+            if w["worker"] < c.peers:
+                busy[w["worker"]] = w["busy_ms_per_s"] / 1000.0
+        self.needed = workers_needed(worker_loads(rates, c.planned_table, c.peers), busy)
+        target = self.policy.plan(rates, c.planned_table, now, busy, c.busy, agg["state"])
+        if target is None:
+            return
+        moved = [b for b, (w0, w1) in enumerate(zip(c.planned_table, target)) if w0 != w1]
+        mid = c.rebalance(target, self.strategy)
+        self.decisions.append({"at": _time.time(), "migration": mid, "imbalance": self.policy.last_imbalance,
+                               "bins": moved, "target": list(target)})
+
+
+class Steering:
+    """Worker 0's ``controller`` (and ``balancer``) seen and steered from the dashboard
+    (:mod:`timely.dashboard`): the page's requests are queued by the server's thread and answered by
+    :meth:`poll`, a poller of :meth:`Controller.tick <megaphone.Controller.tick>`, on the worker's
+    thread; :meth:`status` is a copy refreshed there too."""
+
+    def __init__(self, controller: Controller, balancer: AutoBalancer | None = None) -> None:
+        self.controller = controller
+        self.balancer = balancer
+        self._requests: queue.Queue[tuple[Any, threading.Event, list[Any]]] = queue.Queue()
+        self._status: dict[str, Any] = {}
+        self._next = 0.0
+        self._refresh()
+        controller.add_poller(self.poll)
+
+    def status(self) -> dict[str, Any]:
+        """The table, the planned table, the latest migration steps and the AutoBalancer's decisions."""
+        return self._status
+
+    def submit(self, req: Any, timeout: float) -> tuple[bool, dict[str, Any]]:
+        """Queue a rebalance request (``{"strategy"?, "table" | "balanced" | "moves"}``) and wait for
+        its answer: ``(ok, reply)``."""
+        done, answer = threading.Event(), [False, {}]  # type: tuple[threading.Event, list[Any]]
+        self._requests.put((req, done, answer))  # answer: [ok, reply], filled by poll()
+        if not done.wait(timeout):
+            return False, {"error": f"the job did not take the request within {timeout:g} s "
+                                    "(worker 0 calls controller.tick() between its epochs)"}
+        return bool(answer[0]), dict(answer[1])
+
+    def poll(self) -> None:
+        """Answer the queued requests, refresh the status (at most every 0.2 s unless a request came)."""
+        asked = False
+        while True:
+            try:
+                req, done, answer = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            asked = True
+            try:
+                answer[1] = self.rebalance(req)
+                answer[0] = True
+            except (TimelyError, ValueError, TypeError) as e:
+                answer[1] = {"error": str(e)}
+            done.set()
+        if asked or _time.monotonic() >= self._next:
+            self._refresh()
+
+    def rebalance(self, req: Any) -> dict[str, Any]:
+        """Start the migration a dashboard request asks for; raise on a malformed one (nothing moves)."""
+        c = self.controller
+        if not isinstance(req, dict):
+            raise ValueError("a rebalance request is a JSON object")
+        strategy = req.get("strategy", "batched")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r} (expected one of {', '.join(STRATEGIES)})")
+        given = [key for key in ("table", "balanced", "moves") if req.get(key) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("a rebalance request needs exactly one of 'table', 'balanced' or 'moves'")
+        if given[0] == "balanced":
+            target: Sequence[int] = balanced(c.nbins, c.peers)
+        elif given[0] == "table":
+            target = req["table"]
+            if not isinstance(target, list) or not all(isinstance(w, int) and not isinstance(w, bool) for w in target):
+                raise ValueError("'table' must be a list of worker numbers, one per bin")
+        else:
+            pairs = req["moves"]
+            if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and
+                                                      all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+                                                      for p in pairs):
+                raise ValueError("'moves' must be a list of [bin, worker] pairs of integers")
+            moves = dict(validate_move(b, w, c.nbins, c.peers) for b, w in pairs)
+            target = apply(c.planned_table, move_updates(moves))
+        mid = c.rebalance(target, strategy)
+        steps = [e for e in c.events if e.migration == mid]
+        return {"migration": mid, "steps": len(steps), "moves": sum(len(e.moves) for e in steps)}
+
+    def _refresh(self) -> None:
+        c, b = self.controller, self.balancer
+        self._next = _time.monotonic() + 0.2
+        self._status = {
+            "table": list(c.current_table), "planned": list(c.planned_table), "nbins": c.nbins, "peers": c.peers,
+            "busy": c.busy, "migrations": c.migrations, "steps": [e.as_dict() for e in c.events[-64:]],
+            "decisions": list(b.decisions[-16:]) if b is not None else None,
+            "needed": b.needed if b is not None else None,
+            "imbalance": b.policy.last_imbalance if b is not None else None,
+        }
+
+
+class ControllerMetrics:
+    """The controller's figures as a :mod:`timely.metrics` source (Prometheus ``megaphone_controller_*``):
+    migrations started, steps queued, in flight and completed, the last step's seconds, and the
+    AutoBalancer's imbalance, decisions and DS2 estimate where one runs."""
+
+    def __init__(self, controller: Controller, balancer: AutoBalancer | None = None) -> None:
+        self.controller = controller
+        self.balancer = balancer
+        self.metrics_name = "controller"
+        self.index = 0  # worker 0's
+
+    def metrics(self) -> dict[str, Any]:
+        """A "counters" source: ``{"kind", "prefix", "values"}``."""
+        c, b = self.controller, self.balancer
+        events = list(c.events)
+        done = [e for e in events if e.completed_at is not None]
+        values: dict[str, Any] = {
+            "migrations": c.migrations, "steps_completed": len(done),
+            "steps_queued": sum(1 for e in events if e.state == "queued"), "steps_in_flight": int(c.in_flight is not None),
+            "last_step_seconds": done[-1].duration if done and done[-1].duration is not None else 0.0,
+            "step_seconds": sum(e.duration or 0.0 for e in done),
+        }
+        if b is not None:
+            values.update(imbalance=b.policy.last_imbalance, decisions=len(b.decisions))
+            if b.needed is not None:
+                values["workers_needed"] = b.needed
+        return {"kind": "counters", "prefix": "megaphone_controller", "values": values}
+
+
+def attach(controller: Controller | None, worker: Any, name: str | None = None) -> AutoBalancer | None:
+    """Connect worker 0's ``controller`` to what the launcher asked for (a
+    :class:`~megaphone.Controller` built on a :class:`~megaphone.ControlInput` does it itself; once
+    per controller): the AutoBalancer
+    (``--autobalance knob=value,...``, returned), the dashboard (``--dashboard PORT``: the page
+    then shows the table and the steps, and can start rebalances) and the metrics (the controller's
+    ``megaphone_controller_*`` figures). None on other workers (``controller`` None) or without
+    ``--autobalance``."""
+    metrics = getattr(worker, "metrics", None)
+    config = getattr(metrics, "config", None)
+    if controller is None or metrics is None or config is None:
+        return None
+    if getattr(controller, "_attached", False):  # a Controller attaches itself when built
+        return controller.balancer
+    controller._attached = True  # type: ignore[attr-defined]
+    balancer = None
+    if config.autobalance is not None:
+        balancer = AutoBalancer(controller, worker, name, **config.autobalance)
+    dashboard = getattr(metrics, "dashboard", None)
+    if dashboard is not None:
+        dashboard.connect(Steering(controller, balancer))
+    source = ControllerMetrics(controller, balancer)
+    metrics.held.append(source)  # (sources are held weakly)
+    Worker.add_metrics_source(source)
+    return balancer

@@ -1,0 +1,204 @@
+"""megaphone.autobalance: the policy on synthetic load traces (converges, does not oscillate,
+respects hold and cooldown, never plans during a migration), and an end-to-end run where a hot key
+range appears mid-run and the AutoBalancer moves it with the outputs unchanged."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import megaphone
+import timely
+from megaphone.autobalance import BalancePolicy, even, imbalance, worker_loads, workers_needed
+from timely import routing
+from timely.metrics import ENV, MetricsConfig
+
+loads_st = st.lists(st.floats(min_value=0, max_value=100, allow_nan=False), min_size=16, max_size=16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(loads=loads_st, peers=st.integers(2, 4), seed=st.integers(0, 2**16))
+def test_even_narrows_to_target_or_within_one_bin(loads, peers, seed):
+    table = tuple((b * 7 + seed) % peers for b in range(16))
+    target = 0.1
+    new = even(loads, table, peers, target)
+    wl = worker_loads(loads, new, peers)
+    mean = sum(wl) / peers
+    assert max(wl) <= max(worker_loads(loads, table, peers)) + 1e-9  # never worse
+    assert max(wl) <= mean * (1 + target) + 1e-9 or max(wl) <= mean + max(loads) + 1e-9
+    assert even(loads, new, peers, target) == new  # a fixed point: planning again moves nothing
+
+
+def trace_run(policy: BalancePolicy, trace: list[list[float]], table: tuple[int, ...], dt: float = 1.0):
+    """Feed ``trace`` (per-step bin loads); a plan's migration completes at once. Returns (plans, table)."""
+    plans = []
+    for i, loads in enumerate(trace):
+        target = policy.plan(loads, table, i * dt)
+        if target is not None:
+            plans.append((i * dt, target))
+            table = tuple(target)
+    return plans, table
+
+
+@settings(max_examples=100, deadline=None)
+@given(loads=loads_st, peers=st.integers(2, 4), steps=st.integers(5, 40))
+def test_stationary_load_plans_at_most_once(loads, peers, steps):
+    """Converges and does not oscillate: under a steady load the policy plans once at most, and
+    afterwards the imbalance is under the threshold unless no move of whole bins can help."""
+    policy = BalancePolicy(peers, threshold=0.25, hold=2, cooldown=0, window=2)
+    table = tuple(b % peers for b in range(16))
+    plans, final = trace_run(policy, [loads] * steps, table)
+    assert len(plans) <= 1
+    if plans:
+        assert imbalance(loads, final, peers) < imbalance(loads, table, peers)
+    assert imbalance(loads, final, peers) <= 0.25 or even(loads, final, peers, 0.125) == final
+
+
+def test_hot_range_is_moved_after_hold_and_spread():
+    peers, nbins = 2, 16
+    table = tuple(b % peers for b in range(nbins))  # worker 0: even bins
+    cold = [10.0] * nbins
+    hot = [100.0 if b in (0, 2, 4, 6) else 10.0 for b in range(nbins)]  # four hot bins, all on worker 0
+    policy = BalancePolicy(peers, threshold=0.2, hold=3, cooldown=5, window=1)
+    plans, final = trace_run(policy, [cold] * 5 + [hot] * 20, table)
+    assert [t for t, _ in plans] == [7.0]  # over the threshold from step 5: planned at the 3rd observation
+    assert imbalance(hot, final, peers) <= 0.2
+    assert sum(1 for a, b in zip(table, final) if a != b) <= 4  # few bins move
+
+
+def test_cooldown_and_migrations_hold_plans_back():
+    peers = 2
+    table = (0, 1, 0, 1)
+    skew = [[100.0, 1, 1, 1], [1, 100.0, 1, 1]]  # the hot bin alternates between the workers' bins
+    policy = BalancePolicy(peers, threshold=0.2, hold=1, cooldown=10, window=1)
+    assert policy.plan([1, 1, 50.0, 1], table, 0.0, migrating=True) is None  # never during a migration
+    first = policy.plan([1, 1, 50.0, 1], table, 1.0)
+    assert first is not None
+    # Within the cooldown nothing is planned, however uneven.
+    assert all(policy.plan(skew[i % 2], first, 1.0 + t) is None for i, t in enumerate(range(1, 10)))
+    assert policy.plan(skew[0], first, 11.5) is not None
+
+
+def test_hysteresis_needs_the_threshold_crossed_again():
+    policy = BalancePolicy(2, threshold=0.3, hold=1, cooldown=0, window=1)
+    table = (0, 0, 1, 1)
+    assert policy.plan([10, 10, 8, 8], table, 0.0) is None  # 11% over the mean: under the threshold
+    target = policy.plan([20, 14, 3, 3], table, 1.0)
+    assert target is not None and imbalance([20, 14, 3, 3], target, 2) <= 0.15 + 1e-9
+    assert policy.plan([20, 14, 3, 3], target, 2.0) is None  # even now: nothing more to do
+
+
+def test_bad_knobs_are_refused():
+    with pytest.raises(ValueError, match="below threshold"):
+        BalancePolicy(2, threshold=0.2, target=0.3)
+    with pytest.raises(ValueError, match="threshold must be positive"):
+        BalancePolicy(2, threshold=0)
+
+
+def test_workers_needed_uses_true_rates():
+    # Two workers, each handling 1000 records/s while busy half of the time: 2000 records per busy
+    # second each; 2000 records/s in all need 2000 / (2000 * 0.8) -> 2 workers.
+    assert workers_needed([1000, 1000], [0.5, 0.5]) == 2
+    assert workers_needed([1000, 1000], [0.1, 0.1]) == 1
+    assert workers_needed([0, 0], [0, 0]) is None
+
+
+# -- end to end ---------------------------------------------------------------------------------------
+
+K = 4
+EPOCHS = 240
+HOT_FROM = 60
+
+
+def hot_keys(table: tuple[int, ...], owner: int, n: int) -> list[int]:
+    """``n`` keys whose bins ``table`` gives ``owner`` (the hot key range, all on one worker)."""
+    keys, key = [], 10_000
+    while len(keys) < n:
+        if table[routing.bins_of([(key, 0)], 0, K)[0]] == owner:
+            keys.append(key)
+        key += 1
+    return keys
+
+
+def cold_keys() -> list[int]:
+    """Four keys in every bin: an even load under any table that gives each worker as many bins."""
+    per_bin: dict[int, list[int]] = {}
+    key = 0
+    while len(per_bin) < 1 << K or any(len(v) < 4 for v in per_bin.values()):
+        per_bin.setdefault(routing.bins_of([(key, 0)], 0, K)[0], []).append(key)
+        key += 1
+    return [k for v in per_bin.values() for k in v[:4]]
+
+
+COLD = cold_keys()
+
+
+def epoch_records(e: int, hot: list[int]) -> list[tuple[int, int]]:
+    cold = [(i, 1) for i in COLD]
+    return cold + ([(k, 1) for k in hot for _ in range(8)] if e >= HOT_FROM else [])
+
+
+def count_fold(key, value, state):
+    n = (state or 0) + value
+    return n, [(key, n)]
+
+
+def balanced_job(worker: timely.Worker):
+    with worker.dataflow() as scope:
+        data = scope.new_input()
+        control = megaphone.ControlInput(scope, k=K)
+        m = megaphone.state_machine(data.stream, control, 0, count_fold, name="Count")
+        outputs: list = []
+        m.stream.inspect(outputs.append)
+    controller = balancer = None
+    hot = hot_keys(control.initial, 0, 8)
+    if worker.index == 0:
+        controller = megaphone.Controller(control, m.probe)
+        balancer = megaphone.AutoBalancer(controller, worker, threshold=0.3, hold=2, window=2, cooldown=60,
+                                          interval=0.25)
+    start = time.monotonic()
+    for e in range(EPOCHS):
+        if worker.index == 0:
+            data.send_batch(epoch_records(e, hot))
+        data.advance_to(e + 1)
+        control.advance_to(e + 1)
+        if controller is not None:
+            controller.tick()
+        worker.step_while(lambda: m.probe.less_than(e - 2), timeout=30)
+        pause = start + 0.02 * (e + 1) - time.monotonic()  # paced: about 5 s in all
+        if pause > 0:
+            time.sleep(pause)
+    data.close()
+    control.close()
+    while controller is not None and controller.busy:
+        controller.tick()
+        worker.step_or_park(0.01)
+    worker.step_while(lambda: not m.probe.done(), timeout=30)
+    if worker.index != 0:
+        return outputs, None
+    assert controller is not None and balancer is not None
+    return outputs, (balancer.decisions, tuple(controller.current_table), hot, balancer.needed)
+
+
+def test_autobalancer_moves_a_hot_range_with_outputs_unchanged(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, MetricsConfig(hub=f"ipc://{tmp_path}/hub", interval=0.05).to_env())
+    results = timely.execute(balanced_job, workers=2, timeout=90)
+    decisions, final, hot, needed = results[0][1]
+    # Outputs are those of the sequential count: every key's running totals 1..n, each once.
+    outputs = Counter(r for out, _ in results for r in out)
+    totals: Counter = Counter()
+    for e in range(EPOCHS):
+        for key, v in epoch_records(e, hot):
+            totals[key] += v
+    assert outputs == Counter((key, n) for key, total in totals.items() for n in range(1, total + 1))
+    # The hot range appeared on worker 0 alone; the AutoBalancer moved part of it to worker 1, once.
+    assert len(decisions) == 1, decisions
+    hot_bins = sorted(set(routing.bins_of([(k, 0) for k in hot], 0, K)))
+    initial = megaphone.balanced(1 << K, 2)
+    assert all(initial[b] == 0 for b in hot_bins)
+    assert any(final[b] == 1 for b in hot_bins), (final, hot_bins, decisions)
+    assert set(decisions[0]["bins"]) <= set(range(1 << K)) and decisions[0]["imbalance"] > 0.3
+    assert needed is None or needed >= 1

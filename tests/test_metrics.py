@@ -1,0 +1,195 @@
+"""Metrics (timely.metrics): the counts equal the true counts of a known job, the Prometheus
+endpoint serves every worker's figures, and a port in use or a bad option is a clear error."""
+from __future__ import annotations
+
+import socket
+import urllib.request
+from collections import Counter
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import megaphone
+import timely
+from timely import routing
+from timely.launch import main as launch_main
+from timely.metrics import ENV, MetricsConfig
+
+N = 500  # records per worker
+
+
+def records(w: int) -> list[tuple[int, int]]:
+    return [(w * 10_000 + i, i % 7) for i in range(N)]
+
+
+def exchange_counts(peers: int) -> Counter:
+    """Per worker: the records the exchange by field 0 sends it (the sequential oracle)."""
+    out: Counter = Counter()
+    for w in range(peers):
+        for part_w, part in enumerate(routing.partition(records(w), peers, 0)):
+            out[part_w] += len(part)
+    return out
+
+
+def known_job(worker: timely.Worker):
+    """Each worker sends N records through map -> exchange -> filter (odd values) -> probe; worker 0
+    returns the hub's view once every worker's final counts have arrived, and the endpoint's text."""
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        probe = inp.stream.map(lambda r: r).exchange(0).filter(lambda r: r[1] % 2 == 1).probe()
+    inp.send_batch(records(worker.index))
+    inp.close()
+    worker.step_while(lambda: not probe.done(), timeout=30)
+    if worker.index != 0:
+        return None
+    hub = worker.metrics.hub
+    total = N * worker.peers
+
+    def final(latest: dict) -> bool:
+        rows = [r for s in latest.values() for r in s["operators"] if r[2].startswith("Exchange")]
+        return len(latest) == worker.peers and sum(r[3] for r in rows) == total
+
+    assert hub.wait(final, 20), "the workers' final counts never reached the hub"
+    port = worker.metrics.servers[0].port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return hub.view(), text
+
+
+def test_metrics_equal_true_counts(tmp_path, monkeypatch):
+    peers = 2
+    monkeypatch.setenv(ENV, MetricsConfig(hub=f"ipc://{tmp_path}/hub", interval=0.05, port=0).to_env())
+    view, text = timely.execute(known_job, workers=peers, timeout=60)[0]
+    ex = exchange_counts(peers)
+    odd = sum(1 for w in range(peers) for r in records(w) if r[1] % 2 == 1)
+    ops = {(o["worker"], o["operator"].split("#")[0]): o for o in view["operators"]}
+    for w in range(peers):
+        assert ops[w, "Input"]["records_out"] == N
+        assert ops[w, "Map"]["records_in"] == ops[w, "Map"]["records_out"] == N
+        assert ops[w, "Exchange"]["records_in"] == ex[w]
+        assert ops[w, "Map"]["activations"] >= 1 and ops[w, "Map"]["busy_seconds"] > 0
+    assert sum(ops[w, "Filter"]["records_out"] for w in range(peers)) == odd
+    assert sum(ops[w, "Probe"]["records_in"] for w in range(peers)) == odd
+    workers = {w["worker"]: w for w in view["workers"]}
+    assert all(workers[w]["received_bytes"] > 0 for w in range(peers))  # each got part of the exchange
+    # The endpoint serves the same figures, labelled by worker and operator.
+    samples = {(s.name, s.labels.get("worker"), s.labels.get("operator", "").split("#")[0]): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    for w in range(peers):
+        assert samples["timely_operator_records_in_total", str(w), "Exchange"] == ex[w]
+        assert samples["timely_operator_records_out_total", str(w), "Input"] == N
+        assert samples["timely_worker_received_bytes_total", str(w), ""] == workers[w]["received_bytes"]
+        assert ("timely_operator_busy_time_ms_per_second", str(w), "Map") in samples
+
+
+def test_megaphone_counts_records_per_bin():
+    """One worker: the per-bin counts of a state machine equal a bincount of the records' bins."""
+    k = 4
+    data = [(i % 37, 1) for i in range(1000)]
+
+    def job(worker: timely.Worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            control = megaphone.ControlInput(scope, k=k)
+            m = megaphone.state_machine(inp.stream, control, 0, lambda key, v, s: ((s or 0) + v, ()), name="Count")
+        inp.send_batch(data)
+        inp.close()
+        control.close()
+        worker.step_while(lambda: not m.probe.done(), timeout=30)
+        return worker.metrics.snapshot()["sources"]["Count"]
+
+    src = timely.execute(job, workers=1)[0]
+    expect = np.bincount(routing.bins_of(data, 0, k), minlength=1 << k).tolist()
+    assert src["kind"] == "bins" and src["records"] == expect
+    assert sum(src["state"]) == 37 and src["owned"] == list(range(1 << k))
+
+
+@pytest.mark.parametrize("option, what, held", [
+    ("port", "the Prometheus endpoint", lambda m: m.servers),
+    ("dashboard", "the dashboard", lambda m: m.dashboard),
+])
+def test_port_in_use_is_reported_and_the_job_runs(monkeypatch, capfd, option, what, held):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        monkeypatch.setenv(ENV, MetricsConfig(**{option: port}, interval=0.05).to_env())
+
+        def job(worker: timely.Worker):
+            with worker.dataflow() as scope:
+                inp = scope.new_input()
+                seen: list = []
+                probe = inp.stream.inspect(seen.append).probe()
+            inp.send_batch(list(range(10)))
+            inp.close()
+            worker.step_while(lambda: not probe.done(), timeout=30)
+            return sorted(seen), held(worker.metrics)
+
+        seen, server = timely.execute(job, workers=1)[0]
+    assert seen == list(range(10)) and not server
+    err = capfd.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and f"runs without {what}" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--metrics-port", "70000"], "--metrics-port must be a port number"),
+    (["--metrics-interval", "0"], "--metrics-interval must be a positive"),
+    (["--dashboard", "-1"], "--dashboard must be a port number"),
+    (["--dashboard", "8080", "--hostfile", "hosts.txt"], "work on one host only"),
+    (["--autobalance", "threshold=x"], "is not a number"),
+    (["--autobalance", "threshold"], "is not knob=value"),
+])
+def test_launcher_refuses_bad_options(tmp_path, capsys, argv, message):
+    job = tmp_path / "job.py"
+    job.write_text("def main(worker):\n    pass\n")
+    assert launch_main([*argv, str(job)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def migrating_job(worker: timely.Worker):
+    """Two workers; worker 0 moves half of the bins and reports what the endpoint says afterwards."""
+    with worker.dataflow() as scope:
+        data = scope.new_input()
+        control = megaphone.ControlInput(scope, k=3)
+        m = megaphone.state_machine(data.stream, control, 0, lambda key, v, s: ((s or 0) + v, ()), name="Count")
+    controller = megaphone.Controller(control, m.probe) if worker.index == 0 else None
+    assert megaphone.autobalance.attach(controller, worker) is None  # no --autobalance: metrics only
+    if controller is not None:
+        controller.rebalance([1 - w for w in controller.current_table][:4] + list(controller.current_table)[4:])
+    for e in range(40):
+        data.send_batch([(k, 1) for k in range(20)])
+        data.advance_to(e + 1)
+        control.advance_to(e + 1)
+        if controller is not None:
+            controller.tick()
+        worker.step_while(lambda: m.probe.less_than(e), timeout=30)
+    data.close()
+    control.close()
+    while controller is not None and controller.busy:
+        controller.tick()
+        worker.step_or_park(0.01)
+    worker.step_while(lambda: not m.probe.done(), timeout=30)
+    installs = sum(1 for ev in m.events if ev["kind"] == "install")
+    if controller is None:
+        return installs, None
+    steps = len(controller.events)
+    hub = worker.metrics.hub
+
+    def reported(latest: dict) -> bool:
+        snap = latest.get(0, {}).get("sources", {})
+        return (snap.get("controller", {}).get("values", {}).get("steps_completed") == steps
+                and snap.get("Count", {}).get("counters", {}).get("installs") == installs)
+
+    assert hub.wait(reported, 20), "worker 0's final figures never reached its hub"
+    port = worker.metrics.servers[0].port
+    return installs, (steps, urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+
+
+def test_migration_figures_reach_the_endpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, MetricsConfig(hub=f"ipc://{tmp_path}/hub", interval=0.05, port=0).to_env())
+    (installs0, (steps, text)), _ = timely.execute(migrating_job, workers=2, timeout=60)
+    samples = {(s.name, s.labels.get("worker")): s.value for fam in text_string_to_metric_families(text)
+               for s in fam.samples}
+    assert steps >= 1 and samples["megaphone_controller_steps_completed", "0"] == steps
+    assert samples["megaphone_controller_migrations", "0"] == 1
+    assert installs0 >= 1 and samples["megaphone_migration_installs_total", "0"] == installs0

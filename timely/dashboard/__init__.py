@@ -1,0 +1,124 @@
+"""The live dashboard of a job (``--dashboard PORT``), served by worker 0 with Flask (werkzeug's
+threaded server, on a thread of its own) from assets shipped in this package (Chart.js 3.9.1, MIT,
+in ``static/``): the page works without internet access.
+
+The page polls ``GET /api/state`` (the metrics hub's view: per-operator rates, per-worker load, lags,
+per-bin load and owners; the dataflow graph; and, where a library connected a :class:`Steering`
+such as Megaphone's, its routing table, migration steps and decisions) and posts rebalance requests
+to ``POST /api/rebalance``. A request is handed to the steering object, which answers it on the
+worker's own thread (a Megaphone controller is not thread-safe); a malformed one gets a 400 reply
+with the reason, and the job runs on.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+
+from flask import Flask, jsonify, request, send_from_directory
+from werkzeug.serving import make_server
+
+STATIC = Path(__file__).with_name("static")
+
+
+class Steering(Protocol):
+    """What a library offers the dashboard: a thread-safe ``status()`` and ``submit(request, timeout)``
+    returning ``(ok, reply)``."""
+
+    def status(self) -> dict[str, Any]: ...
+
+    def submit(self, req: Any, timeout: float) -> tuple[bool, dict[str, Any]]: ...
+
+
+class Dashboard:
+    """Serves the page and its API at ``host:port`` (0: a free port; :attr:`port` is the bound one)
+    over worker 0's ``metrics`` (a :class:`timely.metrics.WorkerMetrics` with a hub)."""
+
+    def __init__(self, metrics: Any, port: int, host: str = "127.0.0.1") -> None:
+        self.metrics = metrics
+        self.steering: Steering | None = None
+        # Bound to loopback, the page answers only requests naming a loopback host (a web page
+        # elsewhere cannot reach it through DNS rebinding); rebalances must be JSON (no form posts).
+        self._hosts = {"127.0.0.1", "localhost", "[::1]"} if host in ("127.0.0.1", "localhost", "::1") else None
+        self.app = self._app()
+        try:
+            self._server = make_server(host, port, self.app, threaded=True)
+        except (OSError, SystemExit) as e:  # werkzeug exits on a port in use
+            raise OSError(f"the dashboard cannot listen on {host}:{port}: {e}") from None
+        self.port: int = self._server.server_port
+        self.url = f"http://{host}:{self.port}/"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="timely-dashboard", daemon=True)
+        self._thread.start()
+
+    def connect(self, steering: Steering) -> None:
+        """Let the page see and start migrations through ``steering``."""
+        self.steering = steering
+
+    def state(self) -> dict[str, Any]:
+        """What ``/api/state`` answers."""
+        hub = self.metrics.hub
+        out = hub.view() if hub is not None else {}
+        try:
+            out["graph"] = self.metrics.graph()
+        except RuntimeError:  # the worker changed its dataflows meanwhile
+            out["graph"] = {}
+        out["steering"] = self.steering.status() if self.steering is not None else None
+        return out
+
+    def _app(self) -> Flask:
+        app = Flask("timely.dashboard", static_folder=None)
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request on the job's stderr
+
+        @app.before_request
+        def loopback_only() -> Any:
+            name = (request.host or "").rsplit(":", 1)[0] if not (request.host or "").endswith("]") else request.host
+            if self._hosts is not None and name not in self._hosts:
+                return jsonify({"ok": False, "error": f"host {request.host!r} is not this loopback dashboard"}), 403
+            return None
+
+        @app.get("/")
+        def index() -> Any:
+            return send_from_directory(STATIC, "index.html")
+
+        @app.get("/favicon.ico")
+        def favicon() -> Any:
+            return "", 204
+
+        @app.get("/static/<path:name>")
+        def static(name: str) -> Any:
+            return send_from_directory(STATIC, name)
+
+        @app.get("/api/state")
+        def state() -> Any:
+            return jsonify(self.state())
+
+        @app.post("/api/rebalance")
+        def rebalance() -> Any:
+            if self.steering is None:
+                return jsonify({"ok": False, "error": "this job has no migratable operator connected"}), 409
+            req = request.get_json(silent=True)
+            if not isinstance(req, dict):
+                return jsonify({"ok": False, "error": "the request must be a JSON object"}), 400
+            ok, reply = self.steering.submit(req, 10.0)
+            return jsonify({"ok": ok, **reply}), 200 if ok else 400
+
+        return app
+
+    def close(self) -> None:
+        """Stop serving (idempotent)."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join(timeout=2)
+        self._server.server_close()
+
+
+def serve(metrics: Any, port: int, host: str = "127.0.0.1") -> Dashboard | None:
+    """Start the dashboard; on failure (the port in use) print a clear error and return None: the job
+    runs on without it."""
+    try:
+        return Dashboard(metrics, port, host)
+    except OSError as e:
+        sys.stderr.write(f"timely.dashboard: error: {e}; the job runs without the dashboard\n")
+        return None

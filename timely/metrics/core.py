@@ -1,0 +1,215 @@
+"""One worker's metrics: what its operators, allocator and registered sources have counted so far.
+
+The counting itself lives where the work is done, once per batch or per invocation, never per
+record: :class:`~timely.dataflow.operator.OperatorCore` counts the records arriving at its inputs
+(``len(batch)`` per delivered batch), the records it sends, its invocations and the seconds they
+took (``time.perf_counter`` around each ``schedule()``); the worker's step counts the bytes it took
+from its peers. :class:`WorkerMetrics` only reads those counters into a :func:`snapshot`: a
+msgpack-friendly dict, cumulative (rates are differences of two snapshots, taken by
+:class:`~timely.metrics.hub.Hub`).
+
+Libraries built on timely add their own figures as *sources* (:func:`add_source`): Megaphone's bins
+report their per-bin record counts and state sizes this way. A source is any object with a
+``metrics() -> dict`` method; it is held weakly and reported under its ``metrics_name``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: Environment variable carrying the metrics configuration (JSON, see :class:`MetricsConfig`): the
+#: launcher sets it for ``--metrics-port``, ``--dashboard`` and ``--autobalance``; forked and spawned
+#: workers inherit it.
+ENV = "TIMELY_METRICS"
+
+_sources: list[weakref.ref] = []
+_sources_lock = threading.Lock()
+
+
+def add_source(source: Any) -> None:
+    """Report ``source.metrics()`` (a dict of msgpack-able values) with every snapshot of the
+    workers of this process, under ``source.metrics_name`` (held weakly: it stops when collected)."""
+    with _sources_lock:
+        _sources[:] = [r for r in _sources if r() is not None]
+        _sources.append(weakref.ref(source))
+
+
+def sources() -> list[Any]:
+    """The live sources registered by :func:`add_source`, in registration order."""
+    with _sources_lock:
+        return [s for s in (r() for r in _sources) if s is not None]
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Where a job's metrics go: ``hub`` (a ZeroMQ address worker 0 binds and the others push to),
+    ``interval`` (seconds between a worker's snapshots), ``port`` (the Prometheus endpoint on
+    worker 0, or None), ``dashboard`` (the dashboard's port, or None), ``host`` (the address both
+    bind, loopback by default) and ``autobalance`` (the AutoBalancer's options, or None)."""
+
+    hub: str | None = None
+    interval: float = 1.0
+    port: int | None = None
+    dashboard: int | None = None
+    host: str = "127.0.0.1"
+    autobalance: dict | None = None
+
+    def to_env(self) -> str:
+        """This configuration as the value of :data:`ENV`."""
+        return json.dumps(self.__dict__)
+
+    @staticmethod
+    def from_env(environ: Any = None) -> MetricsConfig | None:
+        """The configuration in :data:`ENV`, or None when it is not set (metrics stay local)."""
+        raw = (os.environ if environ is None else environ).get(ENV)
+        if not raw:
+            return None
+        try:
+            fields = json.loads(raw)
+            return MetricsConfig(**fields)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{ENV} is not a metrics configuration ({e}): {raw[:120]!r}") from None
+
+
+class LagProbe:
+    """An output watched for its frontier and, given ``wall_of`` (a time -> Unix seconds), for its
+    lag: how long ago (wall clock) the earliest incomplete time was due."""
+
+    __slots__ = ("name", "probe", "wall_of")
+
+    def __init__(self, name: str, probe: Any, wall_of: Callable[[Any], float] | None) -> None:
+        self.name = name
+        self.probe = probe
+        self.wall_of = wall_of
+
+    def read(self, now: float) -> dict[str, Any]:
+        """``{"frontier": t or None (complete), "lag_s": seconds or None}``."""
+        try:
+            times = list(self.probe.frontier)
+        except RuntimeError:  # changed while read (the reporter thread): report it next time
+            return {"frontier": None, "lag_s": None}
+        if not times:
+            return {"frontier": None, "lag_s": 0.0 if self.wall_of else None}
+        t = times[0]
+        lag = None if self.wall_of is None else max(0.0, now - self.wall_of(t))
+        return {"frontier": t if isinstance(t, (int, float)) else repr(t), "lag_s": lag}
+
+
+class WorkerMetrics:
+    """The metrics of one worker (``worker.metrics``): :meth:`snapshot` reads every counter."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.index: int = worker.index
+        self.received_bytes = 0  # bytes taken from peers' messages (counted by the worker's step)
+        self._unread = 0  # the mailbox's unread bytes after the last take, carried to the next step
+        self._mailbox = getattr(worker.allocator, "_mailbox", None)
+        self._links = getattr(worker.allocator, "_links", None)
+        self.lags: list[LagProbe] = []
+        self.retired: list[list[Any]] = []  # the final rows of the dataflows that completed
+        self.hub: Any = None  # worker 0 with a configuration: the Hub gathering every worker's snapshots
+        self.reporter: Any = None
+        self.servers: list[Any] = []  # closed with the worker (the Prometheus endpoint, the dashboard)
+        self.dashboard: Any = None  # worker 0 with --dashboard: the timely.dashboard.Dashboard
+        self.held: list[Any] = []  # sources kept alive as long as the worker (add_source holds them weakly)
+        self.config: MetricsConfig | None = None
+
+    # -- counted by the worker ----------------------------------------------------------------------
+    def before_take(self) -> int:
+        """The mailbox's unread bytes before the step takes its events (see :meth:`after_take`)."""
+        mailbox = self._mailbox
+        return 0 if mailbox is None else mailbox.unread_bytes
+
+    def after_take(self, before: int) -> None:
+        """Count the bytes received since the last take: unread before this take minus what was
+        left unread after the last one."""
+        mailbox = self._mailbox
+        if mailbox is not None:
+            self.received_bytes += max(0, before - self._unread)
+            self._unread = mailbox.unread_bytes
+
+    def backlog_bytes(self) -> int:
+        """Bytes waiting to be sent to peers (ZeroMQ could not take them yet)."""
+        links = self._links
+        if links is None:
+            return 0
+        try:
+            return sum(p.backlog_bytes for p in list(links._peers.values()))
+        except (AttributeError, RuntimeError):
+            return 0
+
+    # -- registered by jobs ---------------------------------------------------------------------------
+    def track(self, name: str, probe: Any, wall_of: Callable[[Any], float] | None = None) -> None:
+        """Report ``probe``'s frontier as ``name`` and, given ``wall_of(time) -> Unix seconds`` (when
+        a time was due), the output's lag behind the wall clock."""
+        self.lags.append(LagProbe(name, probe, wall_of))
+
+    # -- reading --------------------------------------------------------------------------------------
+    @staticmethod
+    def rows(dataflows: list[Any]) -> list[list[Any]]:
+        """``[dataflow, index, name, records_in, records_out, busy_seconds, activations]`` per
+        operator of ``dataflows`` (inputs included: they count the records sent)."""
+        rows = []
+        for df in dataflows:
+            for op in list(getattr(df, "operators", ())):
+                rows.append([df.name, op.index, op.name, op.records_in, op.records_out, op.busy_seconds,
+                             op.activations])
+        return rows
+
+    def graph(self) -> dict[str, dict[str, list]]:
+        """Per live dataflow its operators ``[[index, name], ...]`` and edges ``[[from, to], ...]``."""
+        out: dict[str, dict[str, list]] = {}
+        for df in list(getattr(self.worker, "_dataflows", ())):
+            ops = list(getattr(df, "operators", ()))
+            edges = sorted({(op.index, target.node) for op in ops for port in op.outputs for _, target in port.channels})
+            out[df.name] = {"nodes": [[op.index, op.name] for op in ops], "edges": [list(e) for e in edges]}
+        return out
+
+    def retire(self, dataflows: list[Any]) -> None:
+        """Keep the final counts of ``dataflows``, which have completed (the worker lets them go)."""
+        self.retired.extend(self.rows(dataflows))
+
+    def operators(self) -> list[list[Any]]:
+        """The rows (:meth:`rows`) of every dataflow of the worker, completed ones included."""
+        return self.retired + self.rows(list(getattr(self.worker, "_dataflows", ())))
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter of this worker now (cumulative), as a msgpack-friendly dict."""
+        now = time.time()
+        snap: dict[str, Any] = {
+            "worker": self.index, "time": now, "mono": time.monotonic(), "operators": self.operators(),
+            "received_bytes": self.received_bytes, "backlog_bytes": self.backlog_bytes(),
+            "lags": {p.name: p.read(now) for p in self.lags}, "sources": {},
+        }
+        for source in sources():
+            if getattr(source, "index", self.index) != self.index:
+                continue  # another worker's, in a process that ran several (tests)
+            try:
+                snap["sources"][source.metrics_name] = source.metrics()
+            except Exception as e:  # a source must not stop the reports
+                snap["sources"][getattr(source, "metrics_name", "?")] = {"error": repr(e)}
+        ck = getattr(self.worker, "checkpoint", None)
+        if ck is not None:
+            snap["checkpoint"] = ck.stats()
+        return snap
+
+    def close(self) -> None:
+        """Stop the reporter, the hub and the servers (idempotent)."""
+        if self.reporter is not None:
+            self.reporter.stop()
+            self.reporter = None
+        for server in self.servers:
+            try:
+                server.close()
+            except Exception:
+                pass
+        self.servers = []
+        if self.hub is not None:
+            self.hub.close()
+            self.hub = None
