@@ -143,6 +143,11 @@ def test_dashboard_in_a_browser(tmp_path, monkeypatch):
         # The job ran on.
         later = text_int(driver, "records-total")
         wait.until(lambda d: text_int(d, "records-total") > later)
+        shot = os.environ.get("TIMELY_DASHBOARD_SCREENSHOT")  # the README's picture: make it here
+        if shot:
+            driver.set_window_size(1400, 1100)
+            time.sleep(2)  # a few more refreshes of the charts
+            driver.save_screenshot(shot)
     finally:
         if driver is not None:
             driver.quit()
