@@ -104,6 +104,7 @@ def test_an_order_dependent_operator_fails_under_some_seed():
 def test_the_launcher_takes_a_fuzz_seed(tmp_path):
     job = tmp_path / "job.py"
     job.write_text(
+        "import sys\n"
         "def main(worker):\n"
         "    with worker.dataflow() as scope:\n"
         "        inp = scope.new_input()\n"
@@ -111,7 +112,8 @@ def test_the_launcher_takes_a_fuzz_seed(tmp_path):
         "    inp.send_batch(list(range(10)) * 3)\n"
         "    inp.close()\n"
         "    worker.finish()\n"
-        "    print('worker', worker.index, 'counted', sum(n for _, recs in counts.extract() for _, n in recs))\n"
+        "    n = sum(n for _, recs in counts.extract() for _, n in recs)\n"
+        "    sys.stdout.write(f'worker {worker.index} counted {n}\\n')  # one write: the workers share the pipe\n"
     )
     out = subprocess.run([sys.executable, "-m", "timely.launch", "-w", "2", "--fuzz", "3", "--timeout", "60",
                           str(job)], cwd=ROOT, capture_output=True, text=True, timeout=100)

@@ -76,7 +76,7 @@ class Collector:
         self.policy = policy
         self._threshold = gc.get_threshold()
         self._enabled = gc.isenabled()
-        self._next = time.perf_counter() + PACE if policy == "paced" else float("inf")
+        self._next = float("inf")
         if policy == "default":
             return
         gc.collect()
@@ -85,6 +85,8 @@ class Collector:
             gc.disable()
         elif policy == "tuned":
             gc.set_threshold(*TUNED_THRESHOLDS)
+        if policy == "paced":  # the first beat a pace after the start-up collection (which can be long)
+            self._next = time.perf_counter() + PACE
 
     def tick(self) -> None:
         """Under ``paced``: :func:`collect_young` if :data:`PACE` seconds have passed since the last beat."""
