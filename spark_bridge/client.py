@@ -8,6 +8,7 @@ job secret (:class:`~timely.comm.secret.JobSecret`) every socket is a CURVE clie
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -110,6 +111,12 @@ class WorkerLink:
         self.sock.setsockopt(zmq.SNDHWM, 256)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a worker that is not connected
+        # A cached link outlives its cluster (Spark reuses its Python workers): once the worker's port
+        # refuses, stop reconnecting, or the link would greet whatever listens on that port later
+        # (a JVM's Python-worker socket failed on this greeting). A send then fails, and the link is
+        # discarded and made again.
+        with contextlib.suppress(AttributeError, zmq.ZMQError):  # (libzmq < 4.3.3: no such option)
+            self.sock.setsockopt(zmq.RECONNECT_STOP, zmq.RECONNECT_STOP_CONN_REFUSED)
         self.sock.connect(endpoint)
         self._sndtimeo: int | None = None
         self.key: tuple | None = None  # where the per-process cache holds this link
