@@ -151,6 +151,14 @@ class StandaloneCluster:
                 continue
         return pids
 
+    def still_running(self) -> list[int]:
+        """Pids of live processes whose command line names the work directory (``pgrep -f``, which
+        also sees executors and drivers started with it), or :meth:`leftovers` without pgrep."""
+        if shutil.which("pgrep") is None:
+            return self.leftovers()
+        found = subprocess.run(["pgrep", "-f", str(self.workdir)], capture_output=True, text=True, timeout=10)
+        return [int(pid) for pid in found.stdout.split()]
+
     def stop(self, timeout: float = 20.0) -> None:
         """Stop the workers (and so their executors), then the master; kill whatever is left."""
         for p in reversed(self.procs):

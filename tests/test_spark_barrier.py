@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import signal
 import subprocess
 import sys
@@ -81,13 +80,6 @@ def _reap_driver(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-def _still_running(workdir: Path, cluster: StandaloneCluster) -> list[int]:
-    if shutil.which("pgrep") is None:
-        return cluster.leftovers()
-    found = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True, timeout=10)
-    return [int(pid) for pid in found.stdout.split()]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every scenario's JSON, from one driver on a fresh standalone cluster (2 workers x 2 cores)."""
@@ -124,7 +116,7 @@ def runs(tmp_path_factory):
             yield results
         finally:
             cluster.stop()
-            left = _still_running(workdir, cluster)
+            left = cluster.still_running()
             for pid in left:
                 os.kill(pid, signal.SIGKILL)
             assert not left, f"Spark processes left behind: {left}"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,14 +35,6 @@ _why = java_missing()
 pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 
-def _still_running(workdir: Path, cluster: StandaloneCluster) -> list[int]:
-    """Pids of processes whose command line names ``workdir`` (``pgrep -f`` where it exists)."""
-    if shutil.which("pgrep") is None:
-        return cluster.leftovers()
-    found = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True, timeout=10)
-    return [int(pid) for pid in found.stdout.split()]
-
-
 @pytest.fixture
 def cluster(tmp_path):
     """A running :class:`StandaloneCluster` (2 workers, 1 core each); stopped after the test, which
@@ -57,7 +48,7 @@ def cluster(tmp_path):
             yield c
         finally:
             c.stop()
-            left = _still_running(workdir, c)
+            left = c.still_running()
             for pid in left:
                 os.kill(pid, signal.SIGKILL)
             assert not left, f"Spark processes left behind: {left}"

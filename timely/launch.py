@@ -175,13 +175,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="address of the Prometheus endpoint and the dashboard (default 127.0.0.1)")
     ob.add_argument("--dashboard", type=int, default=None, metavar="PORT",
                     help="serve a live dashboard on PORT (worker 0): operators, worker load, lag, bins, migrations; "
-                         "the job connects its Megaphone controller with megaphone.autobalance.attach(controller, worker)")
+                         "the job's megaphone.Controller on worker 0 connects itself to it")
     ob.add_argument("--metrics-interval", type=float, default=1.0, metavar="S",
                     help="seconds between each worker's metrics reports (default 1)")
     ob.add_argument("--autobalance", nargs="?", const="", default=None, metavar="OPTS",
                     help="let megaphone.AutoBalancer move bins when the load is uneven; OPTS: comma-separated "
-                         "knob=value (threshold, hold, cooldown, window, target, strategy); the job attaches it "
-                         "with megaphone.autobalance.attach(controller, worker)")
+                         "knob=value (threshold, hold, cooldown, window, target, strategy); the job's "
+                         "megaphone.Controller on worker 0 starts it (controller.balancer)")
     p.add_argument("--fuzz", type=int, default=None, metavar="SEED",
                    help="run under the schedule fuzzer seeded by SEED (batches split, reordered, delayed)")
     p.add_argument("job", help="the job file: a Python file defining main(worker)")
