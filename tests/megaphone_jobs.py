@@ -111,6 +111,9 @@ class LiveCount:
         self.data.close()
         self.control.close()
         self.worker.step_while(lambda: not self.machine.probe.done(), timeout=STEP_TIMEOUT)
+        # The probe is done once S's output is, but the capture (another consumer of that output) may
+        # still hold batches the schedule fuzzer delayed: run the dataflow to completion.
+        self.worker.finish()
         return [(t, *r) for t, batch in self.captured.extract() for r in batch]
 
 

@@ -180,6 +180,23 @@ def test_spare_workers_are_checked():
     assert timely.execute(main, workers=2) == [[0] * 8, [0] * 8]
 
 
+@pytest.mark.timeout(300)
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**16), workers=st.integers(1, 3), fuzz=st.integers(0, 2**16))
+def test_precopied_rebalance_under_the_schedule_fuzzer(seed, workers, fuzz):
+    """The same contract under every delivery order the schedule fuzzer makes, on 1-3 workers: the
+    copy edge, the deltas and the drops arrive split, reordered and delayed."""
+    k = 3
+    rng = random.Random(seed)
+    epochs = [preload(600)] + [[(rng.randrange(40), 1) for _ in range(15)] for _ in range(25)]
+    target = [rng.randrange(workers) for _ in range(1 << k)]
+    results = timely.execute(functools.partial(precopy_job, k=k, epochs=epochs, target=target), workers=workers,
+                             fuzz=fuzz, timeout=240)
+    assert observed_count([o for r in results for o in r["outputs"]]) == sequential_count(epochs)
+    assert all(r["table"] == target for r in results)
+    assert sorted(b for r in results for b in r["owned"]) == list(range(1 << k))
+
+
 def killed_during_copy_job(worker, k: int, epochs: list):
     """A pre-copied rebalance, slow (1% share); worker 0 SIGKILLs itself while its step is copying."""
     import megaphone.precopy as pc
