@@ -1,9 +1,10 @@
-"""Load shift on two workers: hot keys appear mid-run in bins that one worker owns.
+"""Load shift: hot keys appear mid-run in bins that one worker owns.
 
 A keyed count (``megaphone.state_machine``, each record costing ``--work`` iterations of a small
 loop) is fed open-loop at ``--rate`` records per second in epochs of ``--epoch-ms`` (records are
 due at fixed wall-clock times whether or not the job keeps up). From ``--shift-at`` seconds on,
-``--hot-share`` of the records go to a few hot keys whose bins worker 0 owns. Modes:
+``--hot-share`` of the records go to a few hot keys (4, or one per worker if there are more workers)
+whose bins worker 0 owns. Modes:
 
 * ``none``: no rebalancing;
 * ``auto``: ``megaphone.AutoBalancer`` (threshold ``--threshold``) on the metrics hub;
@@ -77,7 +78,7 @@ def job(worker: timely.Worker) -> Any:
         data = scope.new_input()
         control = megaphone.ControlInput(scope, k=K)
         m = megaphone.state_machine(data.stream, control, 0, fold, name="Count")
-    hot = hot_keys(control.initial)
+    hot = hot_keys(control.initial, max(4, worker.peers))  # enough hot keys for an even spread
     controller = megaphone.Controller(control, m.probe) if worker.index == 0 else None
     balancer = None
     if controller is not None and mode == "auto":
@@ -162,9 +163,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epoch-ms", type=int, default=10)
     p.add_argument("--threshold", type=float, default=0.25)
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     opts = p.parse_args(argv)
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
-    print(f"os.cpu_count() = {os.cpu_count()}; 2 workers; {opts.rate:,} records/s; shift at {opts.shift_at:g} s to "
+    print(f"os.cpu_count() = {os.cpu_count()}; {opts.workers} workers; {opts.rate:,} records/s; shift at {opts.shift_at:g} s to "
           f"{opts.hot_share:.0%} hot; median of {opts.runs} run(s)")
     for mode in opts.modes:
         runs = []
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                 os.environ[ENV] = MetricsConfig(hub=f"ipc://{d}/hub", interval=0.1).to_env()
                 args = [mode, opts.rate, opts.seconds, opts.shift_at, opts.hot_share, opts.work, opts.epoch_ms,
                         opts.threshold]
-                result = timely.execute(job, workers=2, args=[str(a) for a in args], start="spawn",
+                result = timely.execute(job, workers=opts.workers, args=[str(a) for a in args], start="spawn",
                                         timeout=opts.seconds + 120)[0]
                 del os.environ[ENV]
             runs.append(summarise(result, opts.shift_at, opts.epoch_ms / 1000, mode))

@@ -241,6 +241,10 @@ def parser() -> argparse.ArgumentParser:
                     help=f"comma-separated, of {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})")
     ap.add_argument("--runs", type=int, default=3, help="runs per strategy; medians reported (default 3)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--spare", type=int, default=0,
+                    help="workers that hold no bin before the migration, which then moves half of every other "
+                         "worker's bins onto them (the paper's scale-out, e.g. --workers 8 --spare 4: 4 -> 8; default 0: "
+                         "half of the bins move between the workers)")
     ap.add_argument("--gc", choices=collector.POLICIES, default="freeze",
                     help="the workers' collector after the pre-load (timely.collector; default freeze: gc.freeze() "
                          "and the workers' thresholds)")
@@ -266,12 +270,15 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown strategy {m!r} (one of {', '.join(MODES)})")
     if not 0 < args.warmup < args.migrate_at < args.duration:
         ap.error("need 0 < --warmup < --migrate-at < --duration")
+    if not 0 <= args.spare < args.workers:
+        ap.error(f"--spare must be from 0 to {args.workers - 1} (--workers less one), not {args.spare}")
     command = shlex.join([sys.executable, *sys.argv])
     print("command:", command)
     print(f"os.cpu_count() = {os.cpu_count()}; load average at start {os.getloadavg()[0]:.2f}; "
           f"{args.workers} workers; {args.rate:,} rec/s for {args.duration:g} s; {args.keys:,} keys pre-loaded; "
-          f"2^{args.k} bins; {args.epoch_ms} ms epochs; gc {args.gc}; migration of half the bins at "
-          f"{args.migrate_at:g} s; {args.runs} run(s)", flush=True)
+          f"2^{args.k} bins; {args.epoch_ms} ms epochs; gc {args.gc}; "
+          + (f"scale-out {args.workers - args.spare} -> {args.workers} workers at " if args.spare else "migration of half the bins at ")
+          + f"{args.migrate_at:g} s; {args.runs} run(s)", flush=True)
 
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     t_all = time.time()
@@ -279,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:  # interleaved, so that machine noise spreads over the strategies
             cfg = {"mode": mode, "rate": args.rate, "duration": args.duration, "migrate_at": args.migrate_at,
                    "warmup": args.warmup, "keys": args.keys, "k": args.k, "epoch_ms": args.epoch_ms,
-                   "gc": args.gc, "seed": args.seed + run,
+                   "gc": args.gc, "seed": args.seed + run, "spare": args.spare,
                    "profile": os.path.abspath(args.profile) if args.profile else None}
             t0 = time.time()
             m = analyse(cfg, execute(cfg, args.workers, start="spawn", timeout=args.timeout))

@@ -134,8 +134,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="NEXMark closed loop: batches per epoch and worker (the keyed count: 64, as bench/exchange.py)")
     parser.add_argument("--rate", type=int, default=2_000, help="NEXMark open loop: events/s per worker")
     parser.add_argument("--duration", type=float, default=8.0, help="NEXMark open loop: seconds of input")
-    parser.add_argument("--no-latency", action="store_true", help="skip the open-loop latency runs")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--no-latency", action="store_true", help="skip the open-loop latency runs")
+    mode.add_argument("--latency-only", action="store_true", help="NEXMark: only the open-loop latency runs")
     opts = parser.parse_args(argv)
+    if opts.latency_only and "count" in opts.workload:
+        parser.error("--latency-only measures NEXMark queries only (the keyed count has no open loop)")
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
     print(f"os.cpu_count() = {os.cpu_count()}; median of {opts.runs} runs; closed loop: keyed count "
           f"{opts.records:,} records per worker ({opts.keys:,} keys), NEXMark {opts.events or EVENTS} events per worker; "
@@ -153,17 +157,22 @@ def main(argv: list[str] | None = None) -> None:
                     runs.append(run_count(workers, opts.records, opts.keys, opts.batch, 64))
                 else:
                     events = opts.events or EVENTS[workload]
-                    runs.append(run_nexmark(workload, workers, events, opts.batch, opts.epoch_batches))
+                    if not opts.latency_only:
+                        runs.append(run_nexmark(workload, workers, events, opts.batch, opts.epoch_batches))
                     if not opts.no_latency:
                         lat.append(run_latency(workload, workers, opts.rate, opts.duration))
                 time.sleep(0.5)  # let the previous run's processes go
+            p50 = statistics.median(p for p, _ in lat) if lat else None
+            p99 = statistics.median(p for _, p in lat) if lat else None
+            if not runs:  # --latency-only
+                print(f"{workload:<9} {workers:>7} {'-':>12} {'-':>12} {'-':>11} {'-':>5} {'-':>6} "
+                      f"{_fmt_ms(p50):>9} {_fmt_ms(p99):>9} {factors[workers]:>7.2f}x", flush=True)
+                continue
             rate = statistics.median(r.rate for r in runs)
             per_cpu = statistics.median(r.per_cpu_s for r in runs)
             if workers == 2:
                 base = per_cpu
             share = f"{per_cpu / base:.0%}" if base and workers > 2 else "-"
-            p50 = statistics.median(p for p, _ in lat) if lat else None
-            p99 = statistics.median(p for _, p in lat) if lat else None
             print(f"{workload:<9} {workers:>7} {rate:>12,.0f} {rate / workers:>12,.0f} {per_cpu:>11,.0f} {share:>5} "
                   f"{statistics.median(r.cpu for r in runs):>6.1f} {_fmt_ms(p50):>9} {_fmt_ms(p99):>9} "
                   f"{factors[workers]:>7.2f}x", flush=True)

@@ -39,6 +39,19 @@ def logical(e: int, epoch_ms: int) -> int:
     return 1 + e * epoch_ms
 
 
+def scale_out(table: tuple[int, ...], active: int, peers: int) -> tuple[int, ...]:
+    """The Megaphone paper's scale-out: every one of the ``active`` workers that hold bins gives the
+    first half of its bins (in bin order) to a spare worker (``active + w % (peers - active)``)."""
+    owned: dict[int, list[int]] = {}
+    for b, w in enumerate(table):
+        owned.setdefault(w, []).append(b)
+    new = list(table)
+    for w, bins in owned.items():
+        for b in bins[: len(bins) // 2]:
+            new[b] = active + w % (peers - active)
+    return tuple(new)
+
+
 def half_swap(table: tuple[int, ...], peers: int) -> tuple[int, ...]:
     """Every worker gives the first half of its bins (in bin order) to the next worker: half of all
     bins move and the load stays balanced."""
@@ -159,8 +172,12 @@ def job(worker: timely.Worker) -> dict:
     mode, k, epoch_ms = cfg["mode"], cfg["k"], cfg["epoch_ms"]
     index, peers = worker.index, worker.peers
     rss = RssSampler(0.05, start=0.0)  # absolute time.time() stamps
-    table0 = megaphone.balanced(1 << k, peers)
-    target = half_swap(table0, peers)
+    spare = cfg.get("spare", 0)  # workers that hold no bin until the migration scales out onto them
+    active = peers - spare
+    if not 0 <= spare < peers:
+        raise ValueError(f"spare workers must be from 0 to {peers - 1} (the job's workers less one), not {spare}")
+    table0 = megaphone.balanced(1 << k, active)
+    target = scale_out(table0, active, peers) if spare else half_swap(table0, peers)
     sched = Schedule(cfg["rate"], epoch_ms, index, peers)
     epochs = math.ceil(cfg["duration"] * 1000 / epoch_ms - 1e-9)  # (float noise: 4.1 s of 5 ms is 820)
     keys = np.random.default_rng([cfg["seed"], index]).integers(0, cfg["keys"], sched.records(0, epochs)[1])
@@ -168,11 +185,12 @@ def job(worker: timely.Worker) -> dict:
     control = mig = None
     state: dict = {}
     if mode == "restart":
-        data, probe = build_plain(worker, None, k, state)  # timely's plain exchange until the restart
+        # timely's plain exchange until the restart (by the bin table when some workers are spare)
+        data, probe = build_plain(worker, table0 if spare else None, k, state)
     else:
         with worker.dataflow() as scope:
             data = scope.new_input("Data")
-            control = megaphone.ControlInput(scope, k=k)
+            control = megaphone.ControlInput(scope, k=k, workers=active if spare else None)
             mig = megaphone.state_machine(data.stream, control, 0, fold)
             probe = mig.probe
 

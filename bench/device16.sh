@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The measurements that need a machine with at least 16 cores, in one command: weak scaling
+# (issue 14), the scale-out of a large keyed count from 4 to 8 workers (issue 17) and the load
+# shift on 8 workers (issue 18). Run from the repository root on a machine with python3, numpy,
+# msgpack, networkx and Cython, and the wheels of pyzmq, fsspec and prometheus-client in .whl/
+# (`pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+#   --platform manylinux_2_28_x86_64 -d .whl pyzmq fsspec prometheus-client`).
+#
+#   OUT=/tmp/out bash bench/device16.sh [section ...]     # sections: scaling latency migration autobalance
+#
+# Every section writes its full output under $OUT and has its own time limit; the log ends with
+# each section's table.
+set -u
+OUT=${OUT:-bench/out/device16}
+mkdir -p "$OUT"
+SECTIONS=${*:-scaling latency migration autobalance}
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+t0=$(date +%s)
+if ! python3 -c "import zmq" 2>/dev/null; then
+    pip install -q --no-index --target /tmp/site .whl/*.whl || exit 1
+fi
+python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+echo "cores: $(nproc); $(python3 --version); built in $(( $(date +%s) - t0 )) s"
+
+section() {  # section NAME LIMIT_S command...
+    local name=$1 limit=$2; shift 2
+    local s; s=$(date +%s)
+    echo "== $name: $*"
+    timeout -k 5 "$limit" "$@" >"$OUT/$name.txt" 2>&1
+    echo "== $name: rc=$? in $(( $(date +%s) - s )) s (at $(( $(date +%s) - t0 )) s)"
+    # Leftover workers of a timed-out run would distort the next section.
+    pkill -f "multiprocessing.spawn" 2>/dev/null; sleep 0.5
+}
+
+for s in $SECTIONS; do
+    case $s in
+    scaling)  # closed loop: records/s and records per CPU-second, 1-16 workers
+        section scaling 160 python3 bench/scaling.py --workload count q3 --workers 1 2 4 8 16 --runs 3 \
+            --records 2000000 --no-latency ;;
+    latency)  # Q3 on Megaphone, open loop at the issue's 125k events/s per worker
+        section latency 120 python3 bench/scaling.py --workload q3-flex --workers 2 4 8 16 --runs 2 \
+            --latency-only --rate 125000 --duration 6 ;;
+    migration)  # scale-out 4 -> 8 workers of a large keyed count, every strategy in the same run
+        section migration 150 python3 bench/migration.py --workers 8 --spare 4 --keys 10000000 \
+            --rate 400000 --duration 14 --migrate-at 5 --runs 1 \
+            --strategies batched,batched+precopy,all_at_once,restart --out "$OUT" ;;
+    autobalance)  # the load shift on 8 workers
+        section autobalance 70 python3 bench/autobalance.py --workers 8 --rate 32000 --seconds 10 --runs 1 ;;
+    *) echo "unknown section $s"; exit 2 ;;
+    esac
+done
+echo "== total $(( $(date +%s) - t0 )) s"
+for s in $SECTIONS; do echo "---- $s"; grep -v "^run \|^plot\|^json" "$OUT/$s.txt" | tail -n 22; done
