@@ -42,20 +42,31 @@ def frontiers(tracker: Tracker, g: Graph) -> dict:
     return {loc: set(tracker.frontier(loc)) for loc in g.locations}
 
 
+def target_frontiers(tracker: Tracker, g: Graph) -> dict:
+    """:func:`frontiers` of the Targets alone."""
+    return {loc: set(tracker.frontier(loc)) for loc in targets(g)}
+
+
 def positive_frontier(counts: dict, loc) -> set:
     return ref_minimal(t for (l, t), c in counts.items() if l == loc and c > 0)
 
 
-def expected_implication_counts(tracker: Tracker, g: Graph) -> dict:
-    """Local consistency: each location's implication counts are exactly its own pointstamp frontier
-    plus, for every incoming step, the image of the upstream location's implication frontier."""
-    exp: dict = {loc: defaultdict(int) for loc in g.locations}
-    for loc in g.locations:
-        for t in tracker.pointstamps[loc].elements:
-            exp[loc][t] += 1
-        for t in tracker.frontier(loc):
-            for nxt, t2 in g.advance(loc, t, minimal_only=True):
-                exp[nxt][t2] += 1
+def targets(g: Graph) -> list:
+    """The operator inputs of ``g``: the locations whose implications the tracker keeps."""
+    return [loc for loc in g.locations if not loc.source]
+
+
+def expected_implication_counts(tracker: Tracker, g: Graph, paths: dict) -> dict:
+    """Each Target's implication counts are exactly one count per (location reaching it, minimal
+    path summary from there, time of that location's pointstamp frontier), with the minimal
+    summaries of the brute-force ``path_summaries``: no stale or self-sustaining counts."""
+    exp: dict = {loc: defaultdict(int) for loc in targets(g)}
+    for src in g.locations:
+        for t in tracker.pointstamps[src].elements:
+            for dst, summaries in paths[src].items():
+                if not dst.source:
+                    for s in summaries:
+                        exp[dst][s.results_in(t)] += 1
     return {loc: {t: c for t, c in cs.items() if c} for loc, cs in exp.items()}
 
 
@@ -74,13 +85,15 @@ def check_state(tracker: Tracker, g: Graph, counts: dict, paths=None) -> None:
     assert got == expected, {loc: (got[loc], expected[loc]) for loc in g.locations if got[loc] != expected[loc]}
     if paths is not None:
         assert summary_oracle(g, paths, counts) == expected
-    # implication counts are consistent with the current frontiers (no stale or self-sustaining counts)
-    assert {loc: tracker.implications[loc].counts for loc in g.locations} == expected_implication_counts(tracker, g)
+        # implication counts are those of the current pointstamp frontiers (nothing stale)
+        assert ({loc: tracker.implications[loc].counts for loc in targets(g)}
+                == expected_implication_counts(tracker, g, paths))
 
 
 def apply_changes(prev: dict, changes, g: Graph) -> dict:
-    """Apply the returned changes, in order, to a copy of the previous frontiers (strictly)."""
-    cur = {loc: set(ts) for loc, ts in prev.items()}
+    """Apply the returned changes (of Targets' frontiers), in order, to a copy of the previous
+    frontiers (strictly); the result holds the Targets alone (the tracker reports no Source)."""
+    cur = {loc: set(ts) for loc, ts in prev.items() if not loc.source}
     for loc, t, d in changes:
         assert d in (1, -1), (loc, t, d)
         if d == 1:
@@ -121,15 +134,15 @@ def run_against_oracles(g: Graph, batches) -> None:
         changes = propagate(tracker)
         check_state(tracker, g, counts, paths)
         new = frontiers(tracker, g)
-        assert apply_changes(prev, changes, g) == new
+        assert apply_changes(prev, changes, g) == target_frontiers(tracker, g)
         if not any(pending.values()):
             assert changes == [] and new == prev
         prev = new
         # incremental == from scratch
         scratch = fresh_tracker(g, counts)
         assert frontiers(scratch, g) == new
-        assert {l: scratch.implications[l].counts for l in g.locations} == {
-            l: tracker.implications[l].counts for l in g.locations
+        assert {l: scratch.implications[l].counts for l in targets(g)} == {
+            l: tracker.implications[l].counts for l in targets(g)
         }
         assert scratch.total_counts == tracker.total_counts
         # a second propagation with nothing buffered changes nothing

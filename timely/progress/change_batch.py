@@ -57,6 +57,12 @@ class ChangeBatch:
         self._counts = {}
         return out
 
+    def take(self) -> dict[Any, int]:
+        """The non-zero totals as a dict, in no particular order, leaving the batch empty."""
+        out = self._counts
+        self._counts = {}
+        return out
+
     def get(self, key: Any) -> int:
         """The total of ``key`` (0 when absent)."""
         return self._counts.get(key, 0)

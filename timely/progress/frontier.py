@@ -97,8 +97,13 @@ class MutableAntichain:
                 del counts[t]
             if (c0 > 0) == (c1 > 0):
                 continue  # t neither entered nor left the set of positive times
-            if c1 > 0 and type(t) is int:
-                heapq.heappush(heap, t)
+            if type(t) is int:  # the frontier of integer times is [least positive time] or []
+                if c1 > 0:
+                    heapq.heappush(heap, t)
+                    rebuild = rebuild or not frontier or t < frontier[0]
+                else:
+                    rebuild = rebuild or t == frontier[0]
+                continue
             if rebuild:
                 continue
             if c1 > 0:

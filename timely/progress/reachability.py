@@ -9,7 +9,6 @@ the location's implied frontier.
 """
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -17,7 +16,7 @@ from typing import Any, NamedTuple
 from ..errors import CycleError
 from .change_batch import ChangeBatch
 from .frontier import Antichain, MutableAntichain
-from .timestamp import Summary, _coords
+from .timestamp import Summary, minimal
 
 
 class Location(NamedTuple):
@@ -141,16 +140,42 @@ def _components(arcs: list) -> dict:
     return comp
 
 
-def _heap_key(t: Any) -> tuple:
-    # Times of different depths share the worklist; compare them by their coordinates.
-    return _coords(t)
+def _dominates(a: Summary | None, b: Summary | None) -> bool:
+    """``a <= b`` between path summaries of an antichain, where ``None`` is the empty path (the
+    identity). Invariant relied on: ``None`` only ever shares an antichain with summaries of cycles
+    back to the same location, whose depth is the identity's; such a cycle is identity-shaped
+    exactly when it pushes no coordinate, and then advances (``check_acyclic``), so the identity is
+    below it. No cycle is below the identity (it would not advance)."""
+    if a is None:
+        return b is None or not b.push
+    return b is not None and a.less_equal(b)
+
+
+def _insert(antichain: list, s: Summary | None) -> bool:
+    """Add ``s`` to ``antichain`` (in place) unless an element is ``<=`` it; drop the elements it is
+    ``<=``. True if added."""
+    if any(_dominates(x, s) for x in antichain):
+        return False
+    antichain[:] = [x for x in antichain if not _dominates(s, x)]
+    antichain.append(s)
+    return True
 
 
 class Tracker:
-    """Incrementally maintains each location's implied frontier from pointstamp updates.
+    """Maintains each operator input's implied frontier from pointstamp updates, as timely's
+    ``reachability::Tracker`` does.
+
+    Built once, the tracker knows for every location the minimal path summaries to every operator
+    input (Target) it can reach (:meth:`paths`; the empty path included for a Target itself). A
+    Target's *implications* are then the multiset of ``s(t)`` over every location ``L`` that reaches
+    it, every minimal summary ``s`` from ``L`` to it and every time ``t`` of ``L``'s pointstamp
+    frontier, each counted once; the implied frontier is its minimal elements. A change of a
+    pointstamp frontier goes straight to the Targets it reaches: no walk along the paths, no
+    work at locations in between, and nothing at all where a pointstamp's frontier does not move
+    (such as all but the last worker's advance of an input).
 
     Usage: :meth:`update` any number of ``(location, time, diff)``; then :meth:`propagate_all`,
-    which returns the implication changes at Targets (operator input frontier changes).
+    which returns the implied frontier changes of Targets (operator inputs).
     """
 
     def __init__(self, nodes, edges) -> None:
@@ -161,6 +186,7 @@ class Tracker:
             [[(o, s) for o in range(outs) for s in summ[i][o]] for i in range(ins)] for ins, outs, summ in nodes
         ]
         self.pointstamps: dict[Location, MutableAntichain] = {}
+        #: The implications of every Target (operator inputs read these antichains directly).
         self.implications: dict[Location, MutableAntichain] = {}
         for n, (ins, outs, _) in enumerate(nodes):
             for i in range(ins):
@@ -168,9 +194,42 @@ class Tracker:
                 self.implications[Target(n, i)] = MutableAntichain()
             for o in range(outs):
                 self.pointstamps[Source(n, o)] = MutableAntichain()
-                self.implications[Source(n, o)] = MutableAntichain()
+        # location -> [(target, [summary, or None for the empty path], integer adds or None)]: the
+        # adds are the summaries as plain offsets of integer times where every one is (keep=1,
+        # push=()), the whole of a dataflow without nested scopes (the hot path).
+        self._reach: dict[Location, list[tuple[Location, list, list[int] | None]]] = {}
+        for loc in self.pointstamps:
+            reach = []
+            for target, summaries in self.paths(loc).items():
+                if target.source:
+                    continue
+                adds = None
+                if all(s is None or (s.keep == 1 and not s.push) for s in summaries):
+                    adds = [0 if s is None else s.add for s in summaries]
+                reach.append((target, summaries, adds))
+            self._reach[loc] = reach
         self._changes = ChangeBatch()
         self.total_counts = 0  # number of (location, time) frontier elements over all pointstamps
+
+    def paths(self, location: Location) -> dict[Location, list]:
+        """The minimal summaries of the paths from ``location`` to every location it reaches (an
+        antichain each; ``None`` is the empty path, from ``location`` to itself). Terminates: every
+        cycle advances time (``Builder.check_acyclic``), so a path around one more time is dominated."""
+        found: dict[Location, list] = {location: [None]}
+        stack: list[tuple[Location, Summary | None]] = [(location, None)]
+        while stack:
+            loc, s = stack.pop()
+            if not any(x is s for x in found[loc]):
+                continue  # superseded since it was queued
+            if loc.source:
+                nexts = [(Target(m, i), s) for m, i in self.edges.get((loc.node, loc.port), ())]
+            else:
+                nexts = [(Source(loc.node, o), step if s is None else s.followed_by(step))
+                         for o, step in self.summaries[loc.node][loc.port]]
+            for nxt, s2 in nexts:
+                if _insert(found.setdefault(nxt, []), s2):
+                    stack.append((nxt, s2))
+        return found
 
     def update(self, location: Location, time: Any, diff: int) -> None:
         """Buffer a change of ``diff`` to the count of pointstamp ``(location, time)``."""
@@ -183,37 +242,55 @@ class Tracker:
         self._changes.extend(updates)
 
     def propagate_all(self) -> list[tuple[Location, Any, int]]:
-        """Apply buffered updates; return every implication frontier change as ``(location, time, diff)``."""
-        worklist: list = []
+        """Apply buffered updates; return every change of a Target's implied frontier as
+        ``(target, time, diff)`` (per Target, its retractions before its additions)."""
+        changes = self._changes.take()
+        if not changes:
+            return []
         by_loc: dict[Location, list] = defaultdict(list)
-        for (loc, t), d in self._changes.drain():
+        for (loc, t), d in changes.items():
             by_loc[loc].append((t, d))
+        pending: dict[Location, dict] = {}  # target -> {implied time: diff}
+        pointstamps, reach = self.pointstamps, self._reach
         for loc, group in by_loc.items():
-            for t, d in self.pointstamps[loc].update_iter(group):
-                self.total_counts += d
-                heapq.heappush(worklist, (_heap_key(t), loc, t, d))
-        pushed: list[tuple[Location, Any, int]] = []
-        while worklist:
-            key, loc, t, d = heapq.heappop(worklist)
-            # Merge every further entry for the same (time, location).
-            while worklist and worklist[0][0] == key and worklist[0][1] == loc:
-                d += heapq.heappop(worklist)[3]
-            if not d:
+            moved = pointstamps[loc].update_iter(group)
+            if not moved:
                 continue
-            for t2, d2 in self.implications[loc].update_iter(((t, d),)):
-                pushed.append((loc, t2, d2))
-                if loc.source:
-                    for m, i in self.edges.get((loc.node, loc.port), ()):
-                        heapq.heappush(worklist, (_heap_key(t2), Target(m, i), t2, d2))
-                else:
-                    for o, s in self.summaries[loc.node][loc.port]:
-                        t3 = s.results_in(t2)
-                        heapq.heappush(worklist, (_heap_key(t3), Source(loc.node, o), t3, d2))
+            for _, d in moved:
+                self.total_counts += d
+            for target, summaries, adds in reach[loc]:
+                acc = pending.get(target)
+                if acc is None:
+                    acc = pending[target] = {}
+                get = acc.get
+                for t, d in moved:
+                    if adds is not None and type(t) is int:
+                        for a in adds:
+                            t2 = t + a
+                            acc[t2] = get(t2, 0) + d
+                    else:
+                        for s in summaries:
+                            t2 = t if s is None else s.results_in(t)
+                            acc[t2] = get(t2, 0) + d
+        pushed: list[tuple[Location, Any, int]] = []
+        implications = self.implications
+        for target, acc in pending.items():
+            for t2, d2 in implications[target].update_iter(acc.items()):
+                pushed.append((target, t2, d2))
         return pushed
 
     def frontier(self, location: Location) -> list:
-        """The implied frontier at ``location`` (as of the last :meth:`propagate_all`)."""
-        return self.implications[location].elements
+        """The implied frontier at ``location`` (as of the last :meth:`propagate_all`): the times
+        that may still arrive there. Read from the implications for a Target; computed on demand
+        from the pointstamps for a Source (nothing in the runtime asks for one)."""
+        if not location.source:
+            return self.implications[location].elements
+        times = []
+        for loc, ps in self.pointstamps.items():
+            if ps.elements:
+                for s in self.paths(loc).get(location, ()):
+                    times.extend(t if s is None else s.results_in(t) for t in ps.elements)
+        return minimal(times)
 
     def tracking_anything(self) -> bool:
         """True while any pointstamp has a positive frontier count or updates are buffered."""
