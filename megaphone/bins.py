@@ -149,20 +149,11 @@ class Shared:
         # With checkpoints, the bins offered whole and not yet serialised (megaphone.checkpoint.BinDump):
         # thaw(b) before anything changes bin b's state.
         self.frozen: dict[int, Callable[[], bytes]] = {}
-        # Load (timely.metrics, megaphone.autobalance): records S applied per bin, counted per batch.
+        # Load (timely.metrics, megaphone.autobalance): records S applied per bin, counted by
+        # routing.bins_of in the pass that computes the bins.
         self.bin_records = np.zeros(self.nbins, dtype=np.int64)
         self.metrics_name = name
         Worker.add_metrics_source(self)
-
-    def count(self, bins: Sequence[int]) -> None:
-        """Count records applied to ``bins`` (one bin per record, as :func:`timely.routing.bins_of` gives)."""
-        if not bins:
-            return
-        if self.nbins <= 256:  # bytes() converts a list of small ints in C: half of fromiter's cost
-            counts = np.bincount(np.frombuffer(bytes(bins), dtype=np.uint8), minlength=self.nbins)
-        else:
-            counts = np.bincount(np.fromiter(bins, dtype=np.intp, count=len(bins)), minlength=self.nbins)
-        self.bin_records += counts
 
     def metrics(self) -> dict[str, Any]:
         """This worker's figures for :mod:`timely.metrics` (a "bins" source): records applied per bin

@@ -35,10 +35,9 @@ def per_record_time(key: Any, apply: PerRecord) -> PerTime:
         results: list = []
         for batch in batches[0]:
             try:
-                bins = routing.bins_of(batch, key, shared.k)
+                bins = routing.bins_of(batch, key, shared.k, shared.bin_records)  # counts the per-bin load
             except Exception as e:
                 raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
-            shared.count(bins)  # the per-bin load (one bincount per batch)
             if dirty is not None:
                 if shared.frozen:  # copy on write: bins a checkpoint has not serialised yet
                     for b in set(bins).intersection(shared.frozen):
@@ -227,10 +226,9 @@ class StateOperator:
         for i, batches in enumerate(self.pending.pop(t, [[]] * n)):
             for batch in batches:
                 try:
-                    bins = routing.bins_of(batch, self.keys[i], shared.k)
+                    bins = routing.bins_of(batch, self.keys[i], shared.k, shared.bin_records)  # and the load
                 except Exception as e:
                     raise MegaphoneError(f"'{shared.name}': key function failed: {e}") from e
-                shared.count(bins)  # the per-bin load (one bincount per batch)
                 for b, r in zip(bins, batch):
                     g = groups.get(b)
                     if g is None:

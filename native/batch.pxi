@@ -233,18 +233,32 @@ def hash_batch(records: Sequence, key: Key) -> list[int]:
         PyMem_Free(h)
 
 
-def bins_of(records: Sequence, key: Key, k: int) -> list[int]:
+def bins_of(records: Sequence, key: Key, k: int, counts: Any = None) -> list[int]:
     """Megaphone bin of each record: the top ``k`` bits of its key's hash64, ``hash >> (64 - k)``,
-    for k in 0..16 (k == 0 puts every record in bin 0)."""
+    for k in 0..16 (k == 0 puts every record in bin 0). ``counts``: a writable buffer of ``2**k``
+    int64 (a numpy array) to which each record adds 1 at its bin (the per-bin load, counted here
+    in the same pass at no extra cost)."""
     cdef int bits = _check_k(k)
     cdef Py_ssize_t n, i
+    cdef int64_t[::1] c
     seq = _as_batch(records)
     n = len(seq)
+    if counts is not None:
+        c = counts
+        if c.shape[0] != (<Py_ssize_t>1 << bits):
+            raise ValueError(f"bins_of: counts must have 2**k = {1 << bits} entries, not {c.shape[0]}")
     cdef uint64_t *h = _alloc_words(n)
     try:
         _key_hashes(seq, key, h, NULL)
         if bits == 0:  # a shift by 64 is undefined in C
+            if counts is not None:
+                c[0] += n
             return [0] * n
-        return [h[i] >> (64 - bits) for i in range(n)]
+        for i in range(n):
+            h[i] >>= 64 - bits
+        if counts is not None:
+            for i in range(n):
+                c[h[i]] += 1
+        return [h[i] for i in range(n)]
     finally:
         PyMem_Free(h)
