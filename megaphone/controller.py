@@ -122,7 +122,9 @@ class Controller:
     ``control.copied``, the copies of every operator on the control input) enables pre-copied
     migrations (``precopy=True``): each step first copies its bins ahead
     (:meth:`ControlInput.precopy <megaphone.ControlInput.precopy>`), and is issued (handed over)
-    once ``copied`` has passed the copy's time (``what`` = ``"copying"`` before ``"issued"``).
+    once ``copied`` has passed the copy's time and the previous step has completed (``what`` =
+    ``"copying"`` before ``"issued"``). The copies are pipelined: the next step's copy runs while
+    the current step hands over.
     """
 
     def __init__(self, control: Control, probe: Probe, table: Sequence[int] | None = None,
@@ -142,7 +144,8 @@ class Controller:
         self.on_progress = on_progress
         self.events: list[StepEvent] = []  # every step ever started, in order
         self._queue: deque[StepEvent] = deque()
-        self._in_flight: StepEvent | None = None
+        self._in_flight: StepEvent | None = None  # issued, not yet complete
+        self._ahead: StepEvent | None = None  # its bins are being copied ahead (the next to issue)
         self._migrations = 0
         self._pollers: list[Callable[[], object]] = []
         #: The :class:`~megaphone.AutoBalancer` the launcher's ``--autobalance`` started on this
@@ -202,38 +205,48 @@ class Controller:
         self._pollers.append(poll)
 
     def tick(self) -> bool:
-        """Run the pollers, note a completed step, issue the next one if allowed; True if issued.
+        """Run the pollers, note a completed step, copy the next one ahead and issue the next one if
+        allowed; True if a step was issued or its copy requested.
 
         Call once per driver iteration on the worker owning the control input, after advancing it.
         """
         for poll in self._pollers:
             poll()
         ev = self._in_flight
-        if ev is not None and ev.issue_time is None:  # copying ahead
-            assert self.copied is not None
-            if self.copied.less_equal(ev.copy_time) or self.control.closed:
-                return False
-            ev.copy_seconds = _time.monotonic() - (ev._copy_mono or 0.0)
-            self._issue(ev)
-            return True
-        if ev is not None:
-            if self.probe.less_equal(ev.issue_time):
-                return False  # the previous step (or the backlog behind it) is not done yet
+        if ev is not None and not self.probe.less_equal(ev.issue_time):
             ev.completed_at = _time.time()
             ev.duration = _time.monotonic() - (ev._issued_mono or 0.0)
             self._in_flight = None
             self._notify(ev, "completed")
-        if not self._queue or self.control.closed:
+        if self.control.closed:
             return False
-        ev = self._queue.popleft()
-        self._in_flight = ev
-        if ev.precopy:
-            # Each step copies its own bins ahead, just before its hand-over: the deltas stay small
-            # (copying every step's bins at once made the hand-overs ship what changed meanwhile).
+        did = False
+        queue = self._queue
+        current = self._in_flight
+        if (self._ahead is None and queue and queue[0].precopy
+                and (current is None or not queue[0].moves.keys() & current.moves.keys())):
+            # Pipelined: the next step's bins are copied while the current step hands over (one
+            # copy ahead at a time, requested just before it is needed: the deltas stay small;
+            # copying every step's bins at once made the hand-overs ship what changed meanwhile).
+            # Not a bin the current step still moves: its new owner may not have installed it.
+            ev = self._ahead = queue.popleft()
             self.control.precopy(ev.moves)
             ev.copy_time, ev.copy_at, ev._copy_mono = self.control.time, _time.time(), _time.monotonic()
             self._notify(ev, "copying")
-            return True
+            did = True
+        if self._in_flight is not None:
+            return did  # the previous step (or the backlog behind it) is not done yet
+        ev = self._ahead
+        if ev is not None:
+            assert self.copied is not None
+            if self.copied.less_equal(ev.copy_time):
+                return did  # its copy is not staged yet
+            ev.copy_seconds = _time.monotonic() - (ev._copy_mono or 0.0)
+            self._ahead = None
+        elif queue:
+            ev = queue.popleft()
+        else:
+            return did
         self._issue(ev)
         return True
 
@@ -260,7 +273,7 @@ class Controller:
     @property
     def busy(self) -> bool:
         """True while a step is queued or in flight."""
-        return self._in_flight is not None or bool(self._queue)
+        return self._in_flight is not None or self._ahead is not None or bool(self._queue)
 
     @property
     def current_table(self) -> Table:
@@ -274,8 +287,8 @@ class Controller:
 
     @property
     def in_flight(self) -> StepEvent | None:
-        """The step issued and not yet complete, if any."""
-        return self._in_flight
+        """The step issued and not yet complete, if any; else the step being copied ahead, if any."""
+        return self._in_flight if self._in_flight is not None else self._ahead
 
     @property
     def completed(self) -> list[StepEvent]:
