@@ -6,7 +6,10 @@
 # (`pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 #   --platform manylinux_2_28_x86_64 -d .whl pyzmq fsspec prometheus-client`).
 #
-#   OUT=/tmp/out bash bench/device16.sh [section ...]     # sections: scaling latency migration autobalance
+#   OUT=/tmp/out bash bench/device16.sh [section ...]
+#
+# Sections: scaling latency migration autobalance (the default: the first run's figures), and the
+# shorter scaling-ends latency-ends precopy autobalance-target (the rerun after the changes).
 #
 # Every section writes its full output under $OUT and has its own time limit; the log ends with
 # each section's table.
@@ -37,17 +40,33 @@ for s in $SECTIONS; do
     scaling)  # closed loop: records/s and records per CPU-second, 1-16 workers
         section scaling 160 python3 bench/scaling.py --workload count q3 --workers 1 2 4 8 16 --runs 3 \
             --records 2000000 --no-latency ;;
+    scaling-ends)  # the same at 2 and 16 workers only (the targets compare these)
+        section scaling-ends 100 python3 bench/scaling.py --workload count q3 --workers 2 16 --runs 3 \
+            --records 2000000 --no-latency ;;
     latency)  # Q3 on Megaphone, open loop at the 125k events/s per worker
         section latency 120 python3 bench/scaling.py --workload q3-flex --workers 2 4 8 16 --runs 2 \
+            --latency-only --rate 125000 --duration 6 ;;
+    latency-ends)
+        section latency-ends 90 python3 bench/scaling.py --workload q3-flex --workers 2 8 16 --runs 2 \
             --latency-only --rate 125000 --duration 6 ;;
     migration)  # scale-out 4 -> 8 workers of a large keyed count, every strategy in the same run
         section migration 150 python3 bench/migration.py --workers 8 --spare 4 --keys 10000000 \
             --rate 400000 --duration 14 --migrate-at 5 --runs 1 \
             --strategies batched,batched+precopy,all_at_once,restart --out "$OUT" ;;
-    autobalance)  # the load shift on 8 workers
+    precopy)  # the same scale-out: pre-copy at the default share and at 20%, and stop-and-restart
+        section precopy 100 python3 bench/migration.py --workers 8 --spare 4 --keys 10000000 \
+            --rate 400000 --duration 14 --migrate-at 5 --runs 1 --strategies batched+precopy,restart \
+            --out "$OUT" --no-plot
+        section precopy-share 60 python3 bench/migration.py --workers 8 --spare 4 --keys 10000000 \
+            --rate 400000 --duration 14 --migrate-at 5 --runs 1 --strategies batched+precopy \
+            --precopy-share 0.2 --out "$OUT/share" --no-plot ;;
+    autobalance)  # the load shift on 8 workers (no rebalancing, AutoBalancer, best static table)
         section autobalance 70 python3 bench/autobalance.py --workers 8 --rate 32000 --seconds 10 --runs 1 ;;
+    autobalance-target)  # AutoBalancer against the best static table, 10 s after the shift
+        section autobalance-target 70 python3 bench/autobalance.py --workers 8 --rate 32000 --seconds 20 \
+            --modes auto static --runs 1 ;;
     *) echo "unknown section $s"; exit 2 ;;
     esac
 done
 echo "== total $(( $(date +%s) - t0 )) s"
-for s in $SECTIONS; do echo "---- $s"; grep -v "^run \|^plot\|^json" "$OUT/$s.txt" | tail -n 22; done
+for f in "$OUT"/*.txt; do echo "---- $f"; grep -v "^run \|^plot\|^json" "$f" | tail -n 14; done

@@ -245,6 +245,9 @@ def parser() -> argparse.ArgumentParser:
                     help="workers that hold no bin before the migration, which then moves half of every other "
                          "worker's bins onto them (the paper's scale-out, e.g. --workers 8 --spare 4: 4 -> 8; default 0: "
                          "half of the bins move between the workers)")
+    ap.add_argument("--precopy-share", type=float, default=None,
+                    help="the share of a worker's time the copies ahead may take (megaphone.precopy.SHARE, "
+                         "default 0.05)")
     ap.add_argument("--gc", choices=collector.POLICIES, default="freeze",
                     help="the workers' collector after the pre-load (timely.collector; default freeze: gc.freeze() "
                          "and the workers' thresholds)")
@@ -287,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = {"mode": mode, "rate": args.rate, "duration": args.duration, "migrate_at": args.migrate_at,
                    "warmup": args.warmup, "keys": args.keys, "k": args.k, "epoch_ms": args.epoch_ms,
                    "gc": args.gc, "seed": args.seed + run, "spare": args.spare,
+                   "precopy_share": args.precopy_share,
                    "profile": os.path.abspath(args.profile) if args.profile else None}
             t0 = time.time()
             m = analyse(cfg, execute(cfg, args.workers, start="spawn", timeout=args.timeout))

@@ -182,6 +182,8 @@ def job(worker: timely.Worker) -> dict:
     epochs = math.ceil(cfg["duration"] * 1000 / epoch_ms - 1e-9)  # (float noise: 4.1 s of 5 ms is 820)
     keys = np.random.default_rng([cfg["seed"], index]).integers(0, cfg["keys"], sched.records(0, epochs)[1])
 
+    if cfg.get("precopy_share") is not None:  # the copies' share of a worker's time (megaphone.precopy)
+        megaphone.precopy.SHARE = cfg["precopy_share"]
     control = mig = None
     state: dict = {}
     if mode == "restart":
