@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     opts = p.parse_args(argv)
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
-    print(f"os.cpu_count() = {os.cpu_count()}; {opts.workers} workers; {opts.rate:,} records/s; shift at {opts.shift_at:g} s to "
-          f"{opts.hot_share:.0%} hot; median of {opts.runs} run(s)")
+    print(f"os.cpu_count() = {os.cpu_count()}; {opts.workers} workers; {opts.rate:,} records/s; "
+          f"shift at {opts.shift_at:g} s to {opts.hot_share:.0%} hot; median of {opts.runs} run(s)")
     for mode in opts.modes:
         runs = []
         for _ in range(opts.runs):

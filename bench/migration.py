@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"os.cpu_count() = {os.cpu_count()}; load average at start {os.getloadavg()[0]:.2f}; "
           f"{args.workers} workers; {args.rate:,} rec/s for {args.duration:g} s; {args.keys:,} keys pre-loaded; "
           f"2^{args.k} bins; {args.epoch_ms} ms epochs; gc {args.gc}; "
-          + (f"scale-out {args.workers - args.spare} -> {args.workers} workers at " if args.spare else "migration of half the bins at ")
+          + (f"scale-out {args.workers - args.spare} -> {args.workers} workers at " if args.spare
+             else "migration of half the bins at ")
           + f"{args.migrate_at:g} s; {args.runs} run(s)", flush=True)
 
     runs: dict[str, list[dict]] = {m: [] for m in modes}
