@@ -285,7 +285,7 @@ class Tracker:
         from the pointstamps for a Source (nothing in the runtime asks for one)."""
         if not location.source:
             return self.implications[location].elements
-        times = []
+        times: list = []
         for loc, ps in self.pointstamps.items():
             if ps.elements:
                 for s in self.paths(loc).get(location, ()):
