@@ -41,23 +41,23 @@ for s in $SECTIONS; do
         section scaling 160 python3 bench/scaling.py --workload count q3 --workers 1 2 4 8 16 --runs 3 \
             --records 2000000 --no-latency ;;
     scaling-ends)  # the same at 2 and 16 workers only (the targets compare these)
-        section scaling-ends 100 python3 bench/scaling.py --workload count q3 --workers 2 16 --runs 3 \
+        section scaling-ends 90 python3 bench/scaling.py --workload count q3 --workers 2 16 --runs 3 \
             --records 2000000 --no-latency ;;
     latency)  # Q3 on Megaphone, open loop at the 125k events/s per worker
         section latency 120 python3 bench/scaling.py --workload q3-flex --workers 2 4 8 16 --runs 2 \
             --latency-only --rate 125000 --duration 6 ;;
     latency-ends)
-        section latency-ends 90 python3 bench/scaling.py --workload q3-flex --workers 2 8 16 --runs 2 \
+        section latency-ends 80 python3 bench/scaling.py --workload q3-flex --workers 2 8 16 --runs 2 \
             --latency-only --rate 125000 --duration 6 ;;
     migration)  # scale-out 4 -> 8 workers of a large keyed count, every strategy in the same run
         section migration 150 python3 bench/migration.py --workers 8 --spare 4 --keys 10000000 \
             --rate 400000 --duration 14 --migrate-at 5 --runs 1 \
             --strategies batched,batched+precopy,all_at_once,restart --out "$OUT" ;;
     precopy)  # the same scale-out: pre-copy at the default share and at 20%, and stop-and-restart
-        section precopy 100 python3 bench/migration.py --workers 8 --spare 4 --keys 10000000 \
+        section precopy 80 python3 bench/migration.py --workers 8 --spare 4 --keys 10000000 \
             --rate 400000 --duration 14 --migrate-at 5 --runs 1 --strategies batched+precopy,restart \
             --out "$OUT" --no-plot
-        section precopy-share 60 python3 bench/migration.py --workers 8 --spare 4 --keys 10000000 \
+        section precopy-share 45 python3 bench/migration.py --workers 8 --spare 4 --keys 10000000 \
             --rate 400000 --duration 14 --migrate-at 5 --runs 1 --strategies batched+precopy \
             --precopy-share 0.2 --out "$OUT/share" --no-plot ;;
     autobalance)  # the load shift on 8 workers (no rebalancing, AutoBalancer, best static table)
