@@ -34,7 +34,24 @@ from .table import Table, apply, balanced, move_updates, validate_move
 
 #: The policy's knobs and their defaults (also the launcher's ``--autobalance knob=value,...``).
 DEFAULTS: dict[str, Any] = {"threshold": 0.25, "target": None, "hold": 3, "cooldown": 10.0, "window": 3,
-                            "min_busy": 0.0, "interval": 1.0, "strategy": "batched"}
+                            "min_busy": 0.0, "interval": 1.0, "strategy": "auto"}
+#: With ``strategy="auto"``: a plan whose moved bins hold at most this many state entries in all runs
+#: all at once, a larger one batched.
+SMALL_MOVE = 100_000
+
+
+def choose_strategy(moved: Sequence[int], sizes: Sequence[float] | None, small: float = SMALL_MOVE) -> str:
+    """The strategy ``"auto"`` picks for moving the bins ``moved`` (``sizes``: state entries per bin).
+
+    A batched plan takes one step per sender -> receiver matching, and each step waits for the
+    previous one to complete; on an overloaded worker (the very case a rebalance is for) each
+    completion waits for its backlog, so spreading one worker's hot bins over n others takes n
+    slow steps. Bins holding little state move all at once (their stall is short); large ones go
+    batched, whose steps keep each stall small."""
+    if sizes is None:
+        return "batched"
+    return "all_at_once" if sum(sizes[b] for b in moved) <= small else "batched"
+
 
 
 def worker_loads(loads: Sequence[float], table: Sequence[int], peers: int) -> list[float]:
@@ -166,6 +183,8 @@ class AutoBalancer:
         self.hub = hub
         self.name = name
         self.strategy = str(opts["strategy"])
+        if self.strategy != "auto" and self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r} (expected auto or one of {', '.join(STRATEGIES)})")
         self.interval = float(opts["interval"])
         self.policy = BalancePolicy(controller.peers, float(opts["threshold"]),
                                     None if opts["target"] is None else float(opts["target"]), int(opts["hold"]),
@@ -208,9 +227,10 @@ class AutoBalancer:
         if target is None:
             return
         moved = [b for b, (w0, w1) in enumerate(zip(c.planned_table, target)) if w0 != w1]
-        mid = c.rebalance(target, self.strategy)
+        strategy = choose_strategy(moved, agg["state"]) if self.strategy == "auto" else self.strategy
+        mid = c.rebalance(target, strategy)
         self.decisions.append({"at": _time.time(), "migration": mid, "imbalance": self.policy.last_imbalance,
-                               "bins": moved, "target": list(target)})
+                               "bins": moved, "target": list(target), "strategy": strategy})
 
 
 class Steering:

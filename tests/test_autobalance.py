@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import megaphone
 import timely
-from megaphone.autobalance import BalancePolicy, even, imbalance, worker_loads, workers_needed
+from megaphone.autobalance import BalancePolicy, choose_strategy, even, imbalance, worker_loads, workers_needed
 from timely import routing
 from timely.metrics import ENV, MetricsConfig
 
@@ -96,6 +96,27 @@ def test_bad_knobs_are_refused():
         BalancePolicy(2, threshold=0.2, target=0.3)
     with pytest.raises(ValueError, match="threshold must be positive"):
         BalancePolicy(2, threshold=0)
+
+
+def test_auto_strategy_moves_small_bins_at_once_and_large_ones_batched():
+    sizes = [10, 20, 60_000, 70_000]
+    assert choose_strategy([0, 1], sizes) == "all_at_once"
+    assert choose_strategy([0, 2], sizes) == "all_at_once"  # 60,010 entries: at most SMALL_MOVE
+    assert choose_strategy([2, 3], sizes) == "batched"  # 130,000 entries
+    assert choose_strategy([2, 3], sizes, small=200_000) == "all_at_once"
+    assert choose_strategy([0], None) == "batched"  # sizes unknown: the small steps
+
+
+def test_an_unknown_strategy_knob_is_refused():
+    class _Controller:
+        peers = 2
+
+    class _Worker:
+        class metrics:  # noqa: N801
+            hub = object()
+
+    with pytest.raises(ValueError, match="unknown strategy 'fast'"):
+        megaphone.AutoBalancer(_Controller(), _Worker(), strategy="fast")
 
 
 def test_workers_needed_uses_true_rates():
@@ -201,4 +222,5 @@ def test_autobalancer_moves_a_hot_range_with_outputs_unchanged(tmp_path, monkeyp
     assert all(initial[b] == 0 for b in hot_bins)
     assert any(final[b] == 1 for b in hot_bins), (final, hot_bins, decisions)
     assert set(decisions[0]["bins"]) <= set(range(1 << K)) and decisions[0]["imbalance"] > 0.3
+    assert decisions[0]["strategy"] == "all_at_once"  # a few small bins ("auto")
     assert needed is None or needed >= 1
