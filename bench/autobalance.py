@@ -66,8 +66,8 @@ def job(worker: timely.Worker) -> Any:
     """One worker's part; worker 0 returns its per-epoch completion times and the balancer's events."""
     mode = worker.args[0]
     rate, work, epoch_ms = (int(a) for a in (worker.args[1], worker.args[5], worker.args[6]))
-    seconds, shift_at, share, threshold = (float(a) for a in (worker.args[2], worker.args[3], worker.args[4],
-                                                               worker.args[7]))
+    seconds, shift_at, share, threshold, interval = (float(a) for a in (worker.args[2], worker.args[3], worker.args[4],
+                                                                         worker.args[7], worker.args[8]))
     epoch_s = epoch_ms / 1000
 
     def fold(key: Any, value: int, state: int | None) -> tuple[int, tuple]:
@@ -84,7 +84,7 @@ def job(worker: timely.Worker) -> Any:
     balancer = None
     if controller is not None and mode == "auto":
         balancer = megaphone.AutoBalancer(controller, worker, threshold=threshold, hold=2, window=2, cooldown=30,
-                                          interval=0.25)
+                                          interval=interval)
     if controller is not None and mode == "static":
         loads = [0.0] * (1 << K)
         for key, _ in epoch_batch(0, 1000, hot, True, share, 0):
@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epoch-ms", type=int, default=10)
     p.add_argument("--threshold", type=float, default=0.25)
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--interval", type=float, default=0.25, help="seconds between the AutoBalancer's evaluations")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     opts = p.parse_args(argv)
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             with tempfile.TemporaryDirectory() as d:
                 os.environ[ENV] = MetricsConfig(hub=f"ipc://{d}/hub", interval=0.1).to_env()
                 args = [mode, opts.rate, opts.seconds, opts.shift_at, opts.hot_share, opts.work, opts.epoch_ms,
-                        opts.threshold]
+                        opts.threshold, opts.interval]
                 result = timely.execute(job, workers=opts.workers, args=[str(a) for a in args], start="spawn",
                                         timeout=opts.seconds + 120)[0]
                 del os.environ[ENV]

@@ -64,7 +64,7 @@ def run(records: int, keys: int, k: int, counted: bool) -> float:
     try:
         return timely.execute(job, workers=1)[0]
     finally:
-        megaphone.state.routing = routing  # type: ignore[assignment]
+        megaphone.state.routing = routing
 
 
 def main(argv: list[str] | None = None) -> None:
