@@ -39,30 +39,28 @@ def logical(e: int, epoch_ms: int) -> int:
     return 1 + e * epoch_ms
 
 
-def scale_out(table: tuple[int, ...], active: int, peers: int) -> tuple[int, ...]:
-    """The Megaphone paper's scale-out: every one of the ``active`` workers that hold bins gives the
-    first half of its bins (in bin order) to a spare worker (``active + w % (peers - active)``)."""
+def give_half(table: tuple[int, ...], to: Callable[[int], int]) -> tuple[int, ...]:
+    """Every worker ``w`` that holds bins gives the first half of them (in bin order) to ``to(w)``."""
     owned: dict[int, list[int]] = {}
     for b, w in enumerate(table):
         owned.setdefault(w, []).append(b)
     new = list(table)
     for w, bins in owned.items():
         for b in bins[: len(bins) // 2]:
-            new[b] = active + w % (peers - active)
+            new[b] = to(w)
     return tuple(new)
+
+
+def scale_out(table: tuple[int, ...], active: int, peers: int) -> tuple[int, ...]:
+    """The Megaphone paper's scale-out: every one of the ``active`` workers that hold bins gives the
+    first half of its bins to a spare worker (``active + w % (peers - active)``)."""
+    return give_half(table, lambda w: active + w % (peers - active))
 
 
 def half_swap(table: tuple[int, ...], peers: int) -> tuple[int, ...]:
-    """Every worker gives the first half of its bins (in bin order) to the next worker: half of all
-    bins move and the load stays balanced."""
-    owned: dict[int, list[int]] = {}
-    for b, w in enumerate(table):
-        owned.setdefault(w, []).append(b)
-    new = list(table)
-    for w, bins in owned.items():
-        for b in bins[: len(bins) // 2]:
-            new[b] = (w + 1) % peers
-    return tuple(new)
+    """Every worker gives the first half of its bins to the next worker: half of all bins move and
+    the load stays balanced."""
+    return give_half(table, lambda w: (w + 1) % peers)
 
 
 def fold(key: Any, value: int, state: int | None) -> tuple[int, tuple]:
