@@ -112,7 +112,7 @@ def test_an_unknown_strategy_knob_is_refused():
         peers = 2
 
     class _Worker:
-        class metrics:  # noqa: N801
+        class metrics:
             hub = object()
 
     with pytest.raises(ValueError, match="unknown strategy 'fast'"):
