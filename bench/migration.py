@@ -259,6 +259,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--precopy-share", type=float, default=None,
                     help="the share of a worker's time the copies ahead may take (megaphone.precopy.SHARE, "
                          "default 0.05)")
+    ap.add_argument("--precopy-max-share", type=float, default=None,
+                    help="the most of an idle worker's time the copies may take (megaphone.precopy.MAX_SHARE, "
+                         "default 0.25; at most --precopy-share: a fixed share)")
     ap.add_argument("--gc", choices=collector.POLICIES, default="freeze",
                     help="the workers' collector after the pre-load (timely.collector; default freeze: gc.freeze() "
                          "and the workers' thresholds)")
@@ -302,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = {"mode": mode, "rate": args.rate, "duration": args.duration, "migrate_at": args.migrate_at,
                    "warmup": args.warmup, "keys": args.keys, "k": args.k, "epoch_ms": args.epoch_ms,
                    "gc": args.gc, "seed": args.seed + run, "spare": args.spare,
-                   "precopy_share": args.precopy_share,
+                   "precopy_share": args.precopy_share, "precopy_max_share": args.precopy_max_share,
                    "profile": os.path.abspath(args.profile) if args.profile else None}
             t0 = time.time()
             m = analyse(cfg, execute(cfg, args.workers, start="spawn", timeout=args.timeout))

@@ -7,8 +7,9 @@ the move in two (Rhino's hand-over; Kafka Streams' warm-up replicas):
 1. **Copy ahead.** A control record ``("precopy", b, w)`` at time ``t0`` asks the owner of bin ``b``
    to copy it to worker ``w``. F on the owner (:class:`PreCopier`) snapshots the bin (a shallow
    copy) and sends its entries in chunks of at most ``chunk`` entries on a side output, spending at
-   most ``budget`` seconds at a time and at most ``share`` of the worker's time, while S keeps
-   serving the bin. From the snapshot on, the bin's state records every key that S reaches
+   most ``budget`` seconds at a time and ``share`` of the worker's time (more while the worker is
+   idle, up to :data:`MAX_SHARE`: :meth:`PreCopier.step`), while S keeps serving the bin. From the
+   snapshot on, the bin's state records every key that S reaches
    (:class:`TrackedState`). S on ``w`` stages the chunks
    (:class:`Staging`) without serving them. The side edge is not connected to S's output: a copy
    in flight holds no record back. Its frontier, seen through a probe on S's *ack* output
@@ -49,8 +50,14 @@ if TYPE_CHECKING:
 CHUNK = 1024
 #: Seconds of copying per activation of F, at most (the rest of the activation serves records).
 BUDGET = 0.0005
-#: Share of a worker's time the copies may take, at most (the rate limit that keeps steady latency).
+#: Share of a worker's time the copies may take whatever the worker does (the rate limit that keeps
+#: steady latency).
 SHARE = 0.05
+#: Beyond :data:`SHARE`, the copies may take up to this fraction of the time the worker's thread was
+#: idle (neither on a CPU nor waiting for one) since the previous slice, up to :data:`MAX_SHARE`.
+IDLE_FRACTION = 0.5
+#: The most of a worker's time the copies take, however idle it is (at most :data:`SHARE` when lower).
+MAX_SHARE = 0.25
 #: Bins with fewer entries move whole (a copy ahead would not pay for its bookkeeping).
 MIN_ENTRIES = 256
 #: A delta larger than this fraction of its bin's entries falls back to a whole move.
@@ -60,6 +67,26 @@ MAX_DELTA_FRACTION = 0.5
 _reached: dict[int, set] = {}
 #: Tracked states (by ``id``) that were iterated over: wholly changed.
 _overflow: set[int] = set()
+
+
+def _thread_times() -> tuple[float, float] | None:
+    """Seconds this thread has run on a CPU and waited for one (``/proc/thread-self/schedstat``),
+    or None where that is not available."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            run, wait = f.read().split()[:2]
+        return int(run) / 1e9, int(wait) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+def paced_share(share: float, wall: float, busy: float) -> float:
+    """The share of the worker's time a copy slice is paced at: ``share``, or more when the worker's
+    thread was busy (running or waiting for a CPU) only ``busy`` of the last ``wall`` seconds:
+    :data:`IDLE_FRACTION` of the idle time, at most :data:`MAX_SHARE`."""
+    if wall <= 0:
+        return share
+    return max(share, min(MAX_SHARE, IDLE_FRACTION * max(0.0, 1.0 - busy / wall)))
 
 
 def _reach(state: dict, key: Any) -> None:
@@ -183,6 +210,8 @@ class PreCopier:
         self.budget = BUDGET if budget is None else budget
         self.share = SHARE if share is None else share
         self.resume = 0.0  # perf_counter time before which no copying is done (the rate limit)
+        self.last_share = self.share  # the share the latest slice was paced at
+        self._slice_end: tuple[float, tuple[float, float] | None] | None = None  # (perf_counter, thread times)
         self.min_entries = MIN_ENTRIES if min_entries is None else min_entries
         self.copies: dict[int, Copy] = {}
 
@@ -214,16 +243,30 @@ class PreCopier:
         state.__class__ = TrackedState
 
     def step(self, out: OperatorOutput) -> float | None:
-        """Send chunks for at most :attr:`budget` seconds, unless the rate limit (:attr:`share`)
-        says wait; the seconds after which to come back while some copy still has chunks, else None."""
+        """Send chunks for at most :attr:`budget` seconds, unless the rate limit says wait; the
+        seconds after which to come back while some copy still has chunks, else None.
+
+        The rate limit: a slice of ``spent`` seconds is followed by ``spent / share - spent`` without
+        copying, where ``share`` is :attr:`share` or, if more, :data:`IDLE_FRACTION` of the share of
+        time this worker's thread was idle since the previous slice (neither running nor waiting
+        for a CPU: a worker that waits for a core taken by others is not idle), at most
+        :data:`MAX_SHARE`. A busy worker copies at :attr:`share`; an idle one up to four times as
+        fast, in slices of :attr:`budget` that delay a record by at most that."""
         began = _time.perf_counter()
         if began < self.resume:
             return self.resume - began
+        share = self.share
+        last = self._slice_end
+        times = _thread_times()
+        if last is not None and last[1] is not None and times is not None:
+            share = paced_share(share, began - last[0], (times[0] - last[1][0]) + (times[1] - last[1][1]))
+        self.last_share = share
         try:
             return self._send(out, began)
         finally:
-            spent = _time.perf_counter() - began
-            self.resume = began + spent / self.share  # this slice, then (1 - share) of idle copying
+            end = _time.perf_counter()
+            self.resume = began + (end - began) / share  # this slice, then (1 - share) of idle copying
+            self._slice_end = (end, _thread_times())
 
     def _send(self, out: OperatorOutput, began: float) -> float | None:
         codec = self.shared.codec

@@ -182,6 +182,8 @@ def job(worker: timely.Worker) -> dict:
 
     if cfg.get("precopy_share") is not None:  # the copies' share of a worker's time (megaphone.precopy)
         megaphone.precopy.SHARE = cfg["precopy_share"]
+    if cfg.get("precopy_max_share") is not None:  # and of an idle worker's time
+        megaphone.precopy.MAX_SHARE = cfg["precopy_max_share"]
     control = mig = None
     state: dict = {}
     if mode == "restart":

@@ -201,7 +201,7 @@ def killed_during_copy_job(worker, k: int, epochs: list):
     """A pre-copied rebalance, slow (1% share); worker 0 SIGKILLs itself while its step is copying."""
     import megaphone.precopy as pc
 
-    pc.MIN_ENTRIES, pc.CHUNK, pc.BUDGET, pc.SHARE = 0, 8, 0.0, 0.01
+    pc.MIN_ENTRIES, pc.CHUNK, pc.BUDGET, pc.SHARE, pc.MAX_SHARE = 0, 8, 0.0, 0.01, 0.01  # not faster when idle
     job = LiveCount(worker, k)
     m = job.machine
     job.advance(epochs[0][worker.index::worker.peers])
@@ -228,3 +228,15 @@ def test_a_worker_killed_during_a_copy_fails_the_job_naming_it():
     with no_leftover_children():
         with pytest.raises(timely.WorkerError, match="worker 0 .*killed by signal SIGKILL"):
             timely.execute(functools.partial(killed_during_copy_job, k=3, epochs=epochs), workers=2, timeout=60)
+
+
+def test_copies_take_more_of_an_idle_worker_and_the_floor_of_a_busy_one():
+    from megaphone.precopy import IDLE_FRACTION, MAX_SHARE, paced_share
+
+    assert paced_share(0.05, 1.0, 1.0) == 0.05  # busy all the time: the floor
+    assert paced_share(0.05, 1.0, 1.3) == 0.05  # running and waiting for a CPU count as busy
+    assert paced_share(0.05, 1.0, 0.0) == MAX_SHARE  # idle: as much as allowed
+    assert paced_share(0.05, 2.0, 1.2) == pytest.approx(IDLE_FRACTION * 0.4)  # 40% idle
+    assert paced_share(0.5, 1.0, 0.0) == 0.5  # a floor above MAX_SHARE stays
+    assert paced_share(0.05, 0.0, 0.0) == 0.05  # no window yet
+
