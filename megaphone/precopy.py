@@ -210,7 +210,6 @@ class PreCopier:
         self.budget = BUDGET if budget is None else budget
         self.share = SHARE if share is None else share
         self.resume = 0.0  # perf_counter time before which no copying is done (the rate limit)
-        self.last_share = self.share  # the share the latest slice was paced at
         self._slice_end: tuple[float, tuple[float, float] | None] | None = None  # (perf_counter, thread times)
         self.min_entries = MIN_ENTRIES if min_entries is None else min_entries
         self.copies: dict[int, Copy] = {}
@@ -250,8 +249,8 @@ class PreCopier:
         copying, where ``share`` is :attr:`share` or, if more, :data:`IDLE_FRACTION` of the share of
         time this worker's thread was idle since the previous slice (neither running nor waiting
         for a CPU: a worker that waits for a core taken by others is not idle), at most
-        :data:`MAX_SHARE`. A busy worker copies at :attr:`share`; an idle one up to four times as
-        fast, in slices of :attr:`budget` that delay a record by at most that."""
+        :data:`MAX_SHARE`. A busy worker copies at :attr:`share`; an idle one up to
+        ``MAX_SHARE / share`` times as fast (5x by default), in slices of :attr:`budget` that delay a record by at most that."""
         began = _time.perf_counter()
         if began < self.resume:
             return self.resume - began
@@ -260,7 +259,6 @@ class PreCopier:
         times = _thread_times()
         if last is not None and last[1] is not None and times is not None:
             share = paced_share(share, began - last[0], (times[0] - last[1][0]) + (times[1] - last[1][1]))
-        self.last_share = share
         try:
             return self._send(out, began)
         finally:

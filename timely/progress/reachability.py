@@ -141,14 +141,17 @@ def _components(arcs: list) -> dict:
 
 
 def _dominates(a: Summary | None, b: Summary | None) -> bool:
-    """``a <= b`` between path summaries of an antichain, where ``None`` is the empty path (the
-    identity). Invariant relied on: ``None`` only ever shares an antichain with summaries of cycles
-    back to the same location, whose depth is the identity's; such a cycle is identity-shaped
-    exactly when it pushes no coordinate, and then advances (``check_acyclic``), so the identity is
-    below it. No cycle is below the identity (it would not advance)."""
+    """``a <= b`` between path summaries of one antichain, where ``None`` is a path of no operator
+    (the empty path, or edges alone): the identity. Invariant relied on: the summaries of one
+    antichain are paths between the same two locations, so all produce times of the same depth,
+    the identity's where it is there. So the identity is below ``b`` exactly when ``b`` keeps every
+    coordinate (pushes none), and ``a`` is below the identity exactly when it adds nothing and
+    pushes only zeros."""
     if a is None:
         return b is None or not b.push
-    return b is not None and a.less_equal(b)
+    if b is None:
+        return a.add == 0 and not any(a.push)
+    return a.less_equal(b)
 
 
 def _insert(antichain: list, s: Summary | None) -> bool:
@@ -213,7 +216,8 @@ class Tracker:
 
     def paths(self, location: Location) -> dict[Location, list]:
         """The minimal summaries of the paths from ``location`` to every location it reaches (an
-        antichain each; ``None`` is the empty path, from ``location`` to itself). Terminates: every
+        antichain each; ``None`` is a path of no operator: from ``location`` to itself, or along
+        edges alone from a Source to the inputs it feeds). Terminates: every
         cycle advances time (``Builder.check_acyclic``), so a path around one more time is dominated."""
         found: dict[Location, list] = {location: [None]}
         stack: list[tuple[Location, Summary | None]] = [(location, None)]
