@@ -127,6 +127,12 @@ class WorkerLink:
         context()
         key = (threading.get_ident(), endpoint, secret)
         link = _links.get(key)
+        if link is not None and not link.sock.get(zmq.EVENTS) & zmq.POLLOUT:
+            # No connection to send on (IMMEDIATE: nothing queues without one; between requests a
+            # link's queue is empty): its worker went away and, the port refused, it stopped
+            # reconnecting. A later job's worker may listen on that port now: a new link reaches it.
+            link.discard()
+            link = None
         if link is None:
             link = _links[key] = WorkerLink(endpoint, secret)
             link.key = key
