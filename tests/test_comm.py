@@ -433,3 +433,40 @@ def test_a_silent_peer_is_detected_by_heartbeats(no_leftovers, endpoints):
         assert o.status == "ok", o.traceback
         named, elapsed = o.result
         assert named and 1.0 < elapsed < 8.0
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_a_peer_lost_while_our_queue_from_it_is_full_is_reported(no_leftovers, endpoints, transport):
+    """A peer that dies while this worker is not reading (its inbound queue from that peer full:
+    ordinary backpressure) is reported as lost, by name. libzmq aborts the whole process
+    (``Assertion failed: !_io_error``) when a connection whose input is stopped is closed and a
+    ZMTP heartbeat timer of that connection then fires: the listening side must send no
+    heartbeats of its own (the connecting side's heartbeats still detect silent peers)."""
+    if transport == "tcp":
+        endpoints = [f"tcp://127.0.0.1:{port}" for port in free_loopback_ports(2)]
+
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 2, endpoints[:2], "job", hwm=1, heartbeat_ivl=0.05, heartbeat_timeout=20.0)
+        try:
+            _greet_all(alloc)
+            pushers, _ = alloc.allocate(1)
+            if index == 0:
+                peer = alloc._links.peer(1)
+                deadline = time.monotonic() + 0.5
+                while time.monotonic() < deadline:  # worker 1 reads nothing: its queues fill, then ours
+                    if peer.backlog_bytes < 4 << 20:
+                        pushers[1].push(b"x" * 65536)
+                    peer.flush()
+                    time.sleep(0.001)
+                assert peer.backlog, "worker 1's queues never filled"
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(1.0)  # not reading: the connection closes under a full queue, heartbeats due
+            lost = _until_peer_lost(alloc)
+            report(None if lost is None else str(lost[0]))
+        finally:
+            alloc.close()
+
+    outcomes = _run(entry, 2, collect=15)
+    assert outcomes[0].status == "killed", outcomes[0].traceback
+    assert outcomes[1].status == "ok", outcomes[1].describe()
+    assert outcomes[1].result is not None and "lost worker 0" in outcomes[1].result, outcomes[1].result

@@ -56,9 +56,18 @@ class Tuning:
     receive_batch: int
     receive_bytes: int
 
-    def apply(self, sock: zmq.Socket) -> None:
-        """Set the socket options (queue and message bounds, heartbeats) on ``sock``, before it binds
-        or connects."""
+    def apply(self, sock: zmq.Socket, heartbeats: bool) -> None:
+        """Set the socket options (queue and message bounds, with ``heartbeats`` ZMTP heartbeats)
+        on ``sock``, before it binds or connects.
+
+        Only the connecting side (the ``DEALER``) may send heartbeats. libzmq (4.3.x) aborts the
+        process (``Assertion failed: !_io_error``, stream_engine_base.cpp) when a connection
+        closes while its input is stopped (the receiving queue full: ordinary backpressure, or a
+        busy worker) and a heartbeat timer of that connection fires afterwards. Only a
+        ``ROUTER``'s inbound queues fill (a ``DEALER`` receives a handful of replies); its side
+        of each connection still answers the ``DEALER``'s PINGs, so every worker still detects a
+        silent peer through its own ``DEALER`` to it.
+        """
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
         # A peer that sends a larger frame is disconnected before it is buffered. Ours never do:
@@ -66,7 +75,7 @@ class Tuning:
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + HEADER.size)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        if self.heartbeat_ivl > 0:
+        if heartbeats and self.heartbeat_ivl > 0:
             sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.heartbeat_ivl * 1000))
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.heartbeat_timeout * 1000))
             sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.heartbeat_timeout * 10) * 100)  # a multiple of 100 ms
@@ -254,7 +263,7 @@ def connect_peer(ctx: zmq.Context, tuning: Tuning, secret: JobSecret | None, me:
     """Connect a ``DEALER`` from worker ``me`` to worker ``index`` (a CURVE client with a
     ``secret``) and queue our ``HELLO`` on it."""
     dealer = ctx.socket(zmq.DEALER)
-    tuning.apply(dealer)
+    tuning.apply(dealer, heartbeats=True)
     if secret is not None:
         secret.connect(dealer)
     peer = Peer(me, index, endpoint, dealer, dealer.get_monitor_socket(MONITORED), tuning.max_message_bytes)
@@ -274,7 +283,7 @@ def bind_router(ctx: zmq.Context, tuning: Tuning, secret: JobSecret | None, me: 
     """Bind worker ``me``'s ``ROUTER`` on ``address`` (a CURVE server with a ``secret``, whose
     context must be guarded by ``secret.guard``); raise :class:`AddressInUse` if it is taken."""
     router = ctx.socket(zmq.ROUTER)
-    tuning.apply(router)
+    tuning.apply(router, heartbeats=False)  # see Tuning.apply
     if secret is not None:
         secret.serve(router)
     # ROUTER_MANDATORY: a reply that cannot be routed fails instead of vanishing silently.
