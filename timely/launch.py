@@ -149,8 +149,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=30.0, metavar="S",
                    help="seconds to wait for all workers to connect (default 30)")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
-                   help="a peer host silent for S seconds is lost (default 30: generous, as a worker busy in "
-                        "one long step answers no heartbeat either; a crashed process is noticed at once)")
+                   help="a peer host silent for S seconds (TCP keepalive probes unanswered, or data "
+                        "unacknowledged) is lost (default 30: generous, as a worker busy in one long step stops "
+                        "reading; a crashed process is noticed at once)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="stop the job after S seconds")
     p.add_argument("--watchdog", type=float, default=None, metavar="S",
                    help="end the job when one operator invocation lasts longer than S seconds, naming it "

@@ -33,7 +33,8 @@ NOBLOCK = int(zmq.NOBLOCK)
 NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 SNDMORE = int(zmq.SNDMORE)
 
-#: What a ``DEALER``'s monitor reports: a dropped connection, or a failed ZMTP / CURVE handshake.
+#: What a ``DEALER``'s monitor reports: a dropped connection (a closed one, or one the kernel's
+#: liveness probes gave up on), or a failed ZMTP / CURVE handshake.
 HANDSHAKE_FAILED = int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                        | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 MONITORED = int(zmq.EVENT_DISCONNECTED) | HANDSHAKE_FAILED
@@ -42,7 +43,7 @@ MONITORED = int(zmq.EVENT_DISCONNECTED) | HANDSHAKE_FAILED
 @dataclass(frozen=True)
 class Tuning:
     """The settings of a worker's connections; :class:`~timely.comm.zmq_allocator.ZmqAllocator`
-    documents each (and gives their defaults). ``heartbeat_ivl`` 0 turns ZMTP heartbeats off."""
+    documents each (and gives their defaults); :meth:`apply` sets them on a socket."""
 
     hwm: int
     max_message_bytes: int
@@ -56,17 +57,21 @@ class Tuning:
     receive_batch: int
     receive_bytes: int
 
-    def apply(self, sock: zmq.Socket, heartbeats: bool) -> None:
-        """Set the socket options (queue and message bounds, with ``heartbeats`` ZMTP heartbeats)
-        on ``sock``, before it binds or connects.
+    def apply(self, sock: zmq.Socket) -> None:
+        """Set the socket options (queue and message bounds, host liveness) on ``sock``, before it
+        binds or connects.
 
-        Only the connecting side (the ``DEALER``) may send heartbeats. libzmq (4.3.x) aborts the
-        process (``Assertion failed: !_io_error``, stream_engine_base.cpp) when a connection
-        closes while its input is stopped (the receiving queue full: ordinary backpressure, or a
-        busy worker) and a heartbeat timer of that connection fires afterwards. Only a
-        ``ROUTER``'s inbound queues fill (a ``DEALER`` receives a handful of replies); its side
-        of each connection still answers the ``DEALER``'s PINGs, so every worker still detects a
-        silent peer through its own ``DEALER`` to it.
+        Liveness is the kernel's, never ZMTP heartbeats: TCP keepalive probes every
+        ``heartbeat_ivl`` seconds (whole seconds, at least 1) on an idle connection, and
+        ``TCP_USER_TIMEOUT`` (libzmq's ``TCP_MAXRT``) of ``heartbeat_timeout`` on one with data
+        unacknowledged, so a host that stops answering, or a cut link, drops the connection after
+        about ``heartbeat_timeout`` seconds. (libzmq 4.3 aborts the whole process, ``Assertion
+        failed: !_io_error`` in stream_engine_base.cpp, when a connection closes while its inbound
+        queue is full, as under backpressure, and a ZMTP heartbeat of that connection is then due
+        or a PING is then read: a 2-core run of 8 and 16 workers lost a worker to it. Kernel
+        probes run no code of libzmq's.) A process that is stopped but whose host is up is not
+        detected here: its supervisor (``timely.cluster``, the launcher) ends the run.
+        ``heartbeat_ivl`` 0 turns the probes off; they apply to tcp connections only.
         """
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
@@ -75,10 +80,13 @@ class Tuning:
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + HEADER.size)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        if heartbeats and self.heartbeat_ivl > 0:
-            sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.heartbeat_ivl * 1000))
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.heartbeat_timeout * 1000))
-            sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.heartbeat_timeout * 10) * 100)  # a multiple of 100 ms
+        if self.heartbeat_ivl > 0:
+            ivl = max(1, round(self.heartbeat_ivl))
+            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, ivl)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, ivl)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, max(1, math.ceil(self.heartbeat_timeout / ivl)))
+            sock.setsockopt(zmq.TCP_MAXRT, max(1, int(self.heartbeat_timeout * 1000)))
 
 
 class Peer:
@@ -263,7 +271,7 @@ def connect_peer(ctx: zmq.Context, tuning: Tuning, secret: JobSecret | None, me:
     """Connect a ``DEALER`` from worker ``me`` to worker ``index`` (a CURVE client with a
     ``secret``) and queue our ``HELLO`` on it."""
     dealer = ctx.socket(zmq.DEALER)
-    tuning.apply(dealer, heartbeats=True)
+    tuning.apply(dealer)
     if secret is not None:
         secret.connect(dealer)
     peer = Peer(me, index, endpoint, dealer, dealer.get_monitor_socket(MONITORED), tuning.max_message_bytes)
@@ -283,7 +291,7 @@ def bind_router(ctx: zmq.Context, tuning: Tuning, secret: JobSecret | None, me: 
     """Bind worker ``me``'s ``ROUTER`` on ``address`` (a CURVE server with a ``secret``, whose
     context must be guarded by ``secret.guard``); raise :class:`AddressInUse` if it is taken."""
     router = ctx.socket(zmq.ROUTER)
-    tuning.apply(router, heartbeats=False)  # see Tuning.apply
+    tuning.apply(router)
     if secret is not None:
         secret.serve(router)
     # ROUTER_MANDATORY: a reply that cannot be routed fails instead of vanishing silently.

@@ -45,7 +45,7 @@ it) or has said ``GOODBYE`` itself (it finished and needs nothing more). Only th
 closed: lingering alone is not enough, since a receiver whose queue is full drops what it had not
 yet queued when the connection closes.
 
-Failure. A ``DEALER`` whose connection drops (socket monitor; ZMTP heartbeats catch silent hosts)
+Failure. A ``DEALER`` whose connection drops (socket monitor; the kernel's TCP probes catch silent hosts)
 while that peer has not said ``GOODBYE`` makes ``receive``/``release``/``await_events`` raise
 :class:`PeerLost` naming the peer, after ``goodbye_grace`` seconds without any message from it. A
 peer that fails sends ``ABORT`` with a reason first, when it can.
@@ -128,9 +128,11 @@ class ZmqAllocator:
     most ``mailbox_bytes`` (default 16 MiB) plus one message.
 
     Tuning: ``heartbeat_ivl`` /
-    ``heartbeat_timeout`` seconds (ZMTP PING/PONG) detect a silent peer host (generous: a peer
-    busy in one long step stops reading once its inbound queue is full, and then does not answer
-    PINGs either; a crashed process is noticed at once by its closed connection); ``goodbye_grace``
+    ``heartbeat_timeout`` seconds (TCP keepalive probes, and the time data may stay unacknowledged:
+    :meth:`Tuning.apply <timely.comm.peer.Tuning.apply>`) detect a silent peer host or a cut link
+    (generous: a peer busy in one long step stops reading once its inbound queue is full, and its
+    kernel then advertises no room; a crashed process is noticed at once by its closed
+    connection); ``goodbye_grace``
     seconds separate a dropped connection from :class:`PeerLost`; ``close_timeout`` bounds the
     wait for acknowledgements in ``close``; ``receive`` moves at most ``receive_batch`` messages
     or about ``receive_bytes`` of payload per call (the rest waits in ZeroMQ, which keeps
