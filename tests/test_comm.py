@@ -12,6 +12,8 @@ import socket
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from procs import no_leftover_children
 
 from timely.cluster import supervise
@@ -470,3 +472,72 @@ def test_a_peer_lost_while_our_queue_from_it_is_full_is_reported(no_leftovers, e
     assert outcomes[0].status == "killed", outcomes[0].traceback
     assert outcomes[1].status == "ok", outcomes[1].describe()
     assert outcomes[1].result is not None and "lost worker 0" in outcomes[1].result, outcomes[1].result
+
+
+@given(parts=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.binary(max_size=40)), max_size=8))
+def test_a_bundle_carries_its_parts_in_order(parts):
+    assert [(c, bytes(p)) for c, p in framing.unbundle(framing.bundle(parts))] == parts
+    assert len(framing.bundle(parts)) == framing.bundle_overhead(len(parts)) + sum(len(p) for _, p in parts)
+
+
+@pytest.mark.parametrize("damage", [lambda b: b[:-1], lambda b: b + b"x", lambda b: b[:3],
+                                    lambda b: b"\xff\xff\xff\x00" + b[4:]])
+def test_a_malformed_bundle_is_a_framing_error(damage):
+    with pytest.raises(framing.FramingError, match="malformed bundle"):
+        framing.unbundle(damage(framing.bundle([(1, b"abc"), (2, b"defg")])))
+
+
+def test_corked_pushes_arrive_in_order_as_one_message_per_peer(no_leftovers, endpoints):
+    """Pushes on several channels while corked (as a dataflow's flush does) reach the peer in push
+    order, one message per uncork (more only where max_message_bytes would be exceeded), and a
+    buffer message pushed in between stays in its place."""
+    limit = 64 << 10
+
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 2, endpoints[:2], "job", max_message_bytes=limit)
+        try:
+            channels = [alloc.allocate(c) for c in range(3)]
+            if index == 0:
+                peer = alloc._links.peer(1)
+                pushers = [p[1] for p, _ in channels]
+                sent = []
+                for round_ in range(20):
+                    before = peer.send_seq
+                    alloc.cork()
+                    for i in range(5):
+                        c = (round_ + i) % 3
+                        payload = (round_, i, "x" * (20_000 if round_ % 7 == 6 else 10))
+                        pushers[c].push(payload)
+                        sent.append((c, payload))
+                        if round_ % 5 == 4 and i == 2:
+                            pushers[0].push_buffers(("buffers", round_), [b"\x01" * 8])
+                            sent.append((0, ("buffers", round_)))
+                    alloc.uncork()
+                    alloc.release()
+                    messages = peer.send_seq - before
+                    # 5 x 20 KB do not fit 64 KiB: 3 and 2; a buffer message splits a bundle: 3, 1, 2.
+                    expected = 2 if round_ % 7 == 6 else 3 if round_ % 5 == 4 else 1
+                    assert messages == expected, (round_, messages)
+                report(sent)
+                return
+            got = []
+            pullers = [p for _, p in channels]
+            deadline = time.monotonic() + 30
+            while len(got) < 20 * 5 + 4:
+                alloc.receive()
+                alloc.events()
+                for c, puller in enumerate(pullers):
+                    for msg in puller.drain():
+                        is_buffers = isinstance(msg[0], tuple) and msg[0][0] == "buffers"
+                        got.append((c, tuple(msg[0]) if is_buffers else tuple(msg)))
+                assert time.monotonic() < deadline, f"{len(got)} messages arrived"
+                alloc.await_events(0.05)
+            report(got)
+        finally:
+            alloc.close()
+
+    sent, got = _results(_run(entry, 2))
+    assert len(got) == len(sent)
+    # Per channel, the order is the push order (channels are read in turn, so only per channel).
+    for c in range(3):
+        assert [m for ch, m in got if ch == c] == [tuple(m) for ch, m in sent if ch == c]

@@ -144,6 +144,12 @@ class SimAllocator:
     def release(self) -> None:
         pass
 
+    def cork(self) -> None:
+        pass
+
+    def uncork(self) -> None:
+        pass
+
     def events(self) -> list[int]:
         events = sorted(self.arrived)
         self.arrived.clear()

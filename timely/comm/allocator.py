@@ -85,6 +85,13 @@ class Allocator(Protocol):
     def release(self) -> None:
         """Flush queued sends to the network."""
 
+    def cork(self) -> None:
+        """Gather the messages pushed to each other worker until :meth:`uncork` (a hint: an
+        allocator may send them at once)."""
+
+    def uncork(self) -> None:
+        """Send what was gathered since :meth:`cork`, in push order per worker."""
+
     def events(self) -> list[int]:
         """Return (and clear) the ids of channels that received messages since the last call.
 
@@ -121,6 +128,12 @@ class ThreadAllocator:
 
     def release(self) -> None:
         """Nothing to flush."""
+
+    def cork(self) -> None:
+        """Nothing to gather: pushes are queued locally."""
+
+    def uncork(self) -> None:
+        """Nothing gathered."""
 
     def events(self) -> list[int]:
         """Return (and clear) the ids of channels that received messages since the last call."""

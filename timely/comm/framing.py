@@ -12,9 +12,14 @@ A ZeroMQ message between two workers has two frames, or more for ``DATA_BUFFERS`
   frame each, sent and received without copying. The receiver gets ``(head, buffers)``, the
   buffers as read-only ``memoryview`` objects over the received frames. The number of buffers is
   the number of frames (ZeroMQ delivers a multipart message whole or not at all).
+* ``BUNDLE``: frame 1 carries several ``DATA`` payloads for one peer, in push order
+  (:func:`bundle`: their count (u32), each one's channel and length (u32, u32), then the payloads);
+  the header's ``channel`` is unused and the bundle takes one ``seq``.
 
-One pushed message (a batch of records, a progress batch) is one ZeroMQ message: records are never
-sent one by one.
+One pushed message (a batch of records, a progress batch) is one ZeroMQ message, or one part of a
+``BUNDLE``: records are never sent one by one. A dataflow's flush (every channel's gathered
+records, then its progress) is corked (``ZmqAllocator.cork``), so it costs one ZeroMQ message per
+peer, not one per channel and peer; a bundle stays under ``max_message_bytes``.
 
 Payloads are decoded with ``use_list=False``: tuples round-trip as tuples, and **lists arrive as
 tuples** too (msgpack has one array type). Map keys may be any hashable msgpack value (ints,
@@ -39,7 +44,8 @@ from .errors import FramingError
 
 #: Protocol version carried by every header; peers with another version are rejected.
 #: 2: ``DATA_BUFFERS`` (a version-1 worker would ignore it and lose the sequence).
-VERSION = 2
+#: 3: ``BUNDLE`` (likewise for a version-2 worker).
+VERSION = 3
 
 #: The header frame: version, kind, source worker, channel id, sequence number.
 HEADER = struct.Struct("<BBHIQ")
@@ -62,6 +68,7 @@ class Kind(IntEnum):
     ABORT = 5     #: the sender failed; payload is a one-line reason (str)
     ACK = 6       #: listener -> connector: your GOODBYE (and so everything before it) was read
     DATA_BUFFERS = 7  #: a pushed ``(head, buffers)`` for ``channel``: msgpack head, then one frame per buffer
+    BUNDLE = 8    #: several DATA payloads for one peer, in order (:func:`bundle`): one message, one seq
 
 
 def pack_header(kind: Kind, source: int, channel: int = 0, seq: int = 0) -> bytes:
@@ -191,6 +198,45 @@ def encode_gathered(head: Any, bodies: list, count: int) -> bytes:
     else:
         array = b"\xdd" + count.to_bytes(4, "big")
     return b"".join([_PAIR, encode(head), array, *bodies])
+
+
+_BUNDLE_COUNT = struct.Struct("<I")
+_BUNDLE_PART = struct.Struct("<II")  # channel, payload bytes
+
+
+def bundle(parts: list[tuple[int, bytes]]) -> bytes:
+    """One ``BUNDLE`` payload carrying ``(channel, payload)`` parts: their count, each part's
+    channel and length, then the payloads one after another."""
+    index = [_BUNDLE_COUNT.pack(len(parts))]
+    index += [_BUNDLE_PART.pack(channel, len(payload)) for channel, payload in parts]
+    return b"".join([*index, *(payload for _, payload in parts)])
+
+
+def bundle_overhead(parts: int) -> int:
+    """The bytes a bundle of ``parts`` parts adds to their payloads."""
+    return _BUNDLE_COUNT.size + parts * _BUNDLE_PART.size
+
+
+def unbundle(payload: Any) -> list[tuple[int, memoryview]]:
+    """The ``(channel, payload)`` parts of a :func:`bundle` (views into ``payload``); raise
+    :class:`FramingError` for a malformed one."""
+    view = memoryview(payload)
+    try:
+        (count,) = _BUNDLE_COUNT.unpack_from(view, 0)
+        at = _BUNDLE_COUNT.size
+        heads = [_BUNDLE_PART.unpack_from(view, at + i * _BUNDLE_PART.size) for i in range(count)]
+    except struct.error as exc:
+        raise FramingError(f"malformed bundle: {exc}") from None
+    at += count * _BUNDLE_PART.size
+    parts = []
+    for channel, size in heads:
+        if at + size > len(view):
+            raise FramingError("malformed bundle: its parts overrun the message")
+        parts.append((channel, view[at:at + size]))
+        at += size
+    if at != len(view):
+        raise FramingError("malformed bundle: bytes after its last part")
+    return parts
 
 
 def decode(buf: Any) -> Any:

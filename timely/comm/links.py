@@ -21,7 +21,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .errors import ChannelMismatch, CommError, FramingError, HandshakeError, PeerLost
-from .framing import HEADER, Kind, decode, encode, pack_header, recv_buffer_frames, unpack_header
+from .framing import HEADER, Kind, decode, encode, pack_header, recv_buffer_frames, unbundle, unpack_header
 from .gate import Refusals, hello_rejection, read_hello
 from .mailbox import Mailbox
 from .peer import HANDSHAKE_FAILED, NOBLOCK, Peer, Tuning, bind_router, connect_peer
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .secret import Guard, JobSecret
 
 _DATA, _DATA_BUFFERS, _GOODBYE, _ABORT = int(Kind.DATA), int(Kind.DATA_BUFFERS), int(Kind.GOODBYE), int(Kind.ABORT)
+_BUNDLE = int(Kind.BUNDLE)
 
 #: Seconds between checks of the connection monitors on the non-blocking ``receive`` path.
 WATCH_INTERVAL = 0.02
@@ -118,6 +119,17 @@ class Links:
             self._flush(peer)
         if self._backlogged and self._over_bound():
             self._wait_until(lambda: not self._over_bound() or self._mailbox_full(), None)
+
+    def cork(self) -> None:
+        """Gather what is pushed to each peer until :meth:`uncork` (see :meth:`Peer.cork`)."""
+        for peer in self._others:
+            peer.cork()
+
+    def uncork(self) -> None:
+        """Send what each peer gathered since :meth:`cork` as one message per peer."""
+        self.raise_if_failed()
+        for peer in self._others:
+            peer.uncork()
 
     def wait_for_message(self, timeout: float | None) -> None:
         """Park until a message arrives or ``timeout`` seconds pass, flushing backlogs meanwhile
@@ -281,6 +293,18 @@ class Links:
                     deliver(peer.index, channel, decode(payload), len(payload))
                 except ChannelMismatch as exc:
                     self.fail(exc)
+                if peer.dropped:
+                    self._still_sending(peer)
+            elif kind == _BUNDLE:
+                if seq != peer.recv_seq:
+                    self._out_of_order(peer, seq)
+                peer.recv_seq = seq + 1
+                try:
+                    for part_channel, part in unbundle(payload):
+                        deliver(peer.index, part_channel, decode(part), len(part))
+                except (ChannelMismatch, FramingError) as exc:
+                    self.fail(exc if isinstance(exc, ChannelMismatch) else
+                              CommError(f"worker {self.index}: from worker {peer.index}: {exc}"))
                 if peer.dropped:
                     self._still_sending(peer)
             elif kind == _DATA_BUFFERS:

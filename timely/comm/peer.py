@@ -23,7 +23,7 @@ import zmq
 
 from .endpoints import ipc_path_in_use
 from .errors import AddressInUse, CommError, MessageTooLarge
-from .framing import HEADER, VERSION, Kind, buffer_frames, encode, pack_header
+from .framing import HEADER, VERSION, Kind, buffer_frames, bundle, bundle_overhead, encode, pack_header
 
 if TYPE_CHECKING:
     from .secret import JobSecret
@@ -96,7 +96,7 @@ class Peer:
 
     __slots__ = ("me", "index", "endpoint", "dealer", "monitor", "max_message_bytes", "on_backlog", "backlog",
                  "backlog_bytes", "send_seq", "recv_seq", "rid", "hello", "welcomed", "goodbye", "acked",
-                 "lost_deadline")
+                 "lost_deadline", "corked", "corked_bytes")
 
     def __init__(self, me: int, index: int, endpoint: str, dealer: zmq.Socket, monitor: zmq.Socket,
                  max_message_bytes: int) -> None:
@@ -123,6 +123,10 @@ class Peer:
         # When its connection dropped, the time it is declared lost unless it says GOODBYE first;
         # infinite while connected.
         self.lost_deadline = math.inf
+        # While corked (a list): the (channel, payload) messages pushed since, sent by uncork as
+        # one BUNDLE message, in order; None: every push goes out at once.
+        self.corked: list[tuple[int, bytes]] | None = None
+        self.corked_bytes = 0
 
     @property
     def dropped(self) -> bool:
@@ -150,7 +154,44 @@ class Peer:
             return
         if len(payload) > self.max_message_bytes:  # refused whole, before it takes a sequence number
             self._too_large(channel, len(payload))
+        if self.corked is not None:
+            if self.corked_bytes + len(payload) + bundle_overhead(len(self.corked) + 1) > self.max_message_bytes:
+                self._send_corked()  # (a new list)
+            self.corked.append((channel, payload))
+            self.corked_bytes += len(payload)
+            return
         head = pack_header(Kind.DATA, self.me, channel, self.send_seq)
+        self.send_seq += 1
+        if self.send(head, payload):
+            self.on_backlog(self)
+
+    def cork(self) -> None:
+        """Gather the messages pushed from now on until :meth:`uncork`, which sends them as one."""
+        if self.corked is None:
+            self.corked = []
+            self.corked_bytes = 0
+
+    def uncork(self) -> None:
+        """Send the messages gathered since :meth:`cork` (one ``BUNDLE``, or the one message as
+        it is) and push at once again."""
+        if self.corked is not None:
+            self._send_corked()
+            self.corked = None
+
+    def _send_corked(self) -> None:
+        """Send the gathered messages as one message, in order; stay corked."""
+        parts = self.corked
+        if not parts:
+            return
+        self.corked = []
+        self.corked_bytes = 0
+        if self.goodbye:
+            return
+        if len(parts) == 1:
+            channel, payload = parts[0]
+            head = pack_header(Kind.DATA, self.me, channel, self.send_seq)
+        else:  # under max_message_bytes with its index (push_payload saw to it)
+            head, payload = pack_header(Kind.BUNDLE, self.me, 0, self.send_seq), bundle(parts)
         self.send_seq += 1
         if self.send(head, payload):
             self.on_backlog(self)
@@ -164,6 +205,8 @@ class Peer:
             payload = encode(head)
         except Exception as exc:
             raise self._unencodable(channel, exc) from exc
+        if self.corked:
+            self._send_corked()  # FIFO: what was pushed before goes first
         frames, size = buffer_frames(buffers)
         size += len(payload)
         if size > self.max_message_bytes:  # all frames together; refused whole, as in push_payload

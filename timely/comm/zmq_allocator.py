@@ -221,6 +221,18 @@ class ZmqAllocator:
         """The workers that said goodbye (their data, delivered before it, is in the pullers)."""
         return frozenset() if self._links is None else self._links.finished
 
+    def cork(self) -> None:
+        """Gather the messages pushed to each peer from now on; :meth:`uncork` sends them as one
+        message per peer (a ``BUNDLE``), in order. A flush of many channels and progress to many
+        peers then costs one ZeroMQ message per peer, not one per channel and peer."""
+        if self._links is not None:
+            self._links.cork()
+
+    def uncork(self) -> None:
+        """Send what :meth:`cork` gathered, and send each push at once again."""
+        if self._links is not None:
+            self._links.uncork()
+
     @property
     def refused(self) -> int:
         """How many messages this worker refused from connections that had not completed the
