@@ -285,26 +285,18 @@ class Links:
             if len(head) != HEADER.size:
                 self.fail(CommError(f"worker {self.index}: corrupt header from worker {peer.index}"))
             version, kind, _source, channel, seq = unpack(head)
-            if kind == _DATA:
+            if kind == _DATA or kind == _BUNDLE:
                 if seq != peer.recv_seq:
                     self._out_of_order(peer, seq)
                 peer.recv_seq = seq + 1
                 try:
-                    deliver(peer.index, channel, decode(payload), len(payload))
+                    parts = ((channel, payload),) if kind == _DATA else unbundle(payload)
+                    for part_channel, part in parts:
+                        deliver(peer.index, part_channel, decode(part), len(part))
                 except ChannelMismatch as exc:
                     self.fail(exc)
-                if peer.dropped:
-                    self._still_sending(peer)
-            elif kind == _BUNDLE:
-                if seq != peer.recv_seq:
-                    self._out_of_order(peer, seq)
-                peer.recv_seq = seq + 1
-                try:
-                    for part_channel, part in unbundle(payload):
-                        deliver(peer.index, part_channel, decode(part), len(part))
-                except (ChannelMismatch, FramingError) as exc:
-                    self.fail(exc if isinstance(exc, ChannelMismatch) else
-                              CommError(f"worker {self.index}: from worker {peer.index}: {exc}"))
+                except FramingError as exc:
+                    self.fail(FramingError(f"worker {self.index}: from worker {peer.index}: {exc}"))
                 if peer.dropped:
                     self._still_sending(peer)
             elif kind == _DATA_BUFFERS:

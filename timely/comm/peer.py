@@ -160,7 +160,11 @@ class Peer:
             self.corked.append((channel, payload))
             self.corked_bytes += len(payload)
             return
-        head = pack_header(Kind.DATA, self.me, channel, self.send_seq)
+        self._send_numbered(Kind.DATA, channel, payload)
+
+    def _send_numbered(self, kind: Kind, channel: int, payload: bytes) -> None:
+        """Send a two-frame message that takes the next sequence number (or queue it)."""
+        head = pack_header(kind, self.me, channel, self.send_seq)
         self.send_seq += 1
         if self.send(head, payload):
             self.on_backlog(self)
@@ -188,13 +192,9 @@ class Peer:
         if self.goodbye:
             return
         if len(parts) == 1:
-            channel, payload = parts[0]
-            head = pack_header(Kind.DATA, self.me, channel, self.send_seq)
+            self._send_numbered(Kind.DATA, *parts[0])
         else:  # under max_message_bytes with its index (push_payload saw to it)
-            head, payload = pack_header(Kind.BUNDLE, self.me, 0, self.send_seq), bundle(parts)
-        self.send_seq += 1
-        if self.send(head, payload):
-            self.on_backlog(self)
+            self._send_numbered(Kind.BUNDLE, 0, bundle(parts))
 
     def push_buffers(self, channel: int, head: Any, buffers: Iterable[Any]) -> None:
         """Send ``(head, buffers)`` on ``channel`` as one ``DATA_BUFFERS`` message (or queue it in
