@@ -18,6 +18,7 @@ from .table import Table, balanced
 
 if TYPE_CHECKING:
     from .checkpoint import BinCheckpoint
+    from .precopy import PreCopier
 
 
 class MegaphoneError(TimelyError, RuntimeError):
@@ -138,6 +139,7 @@ class Shared:
         self.timer_bins: dict[Any, set[int]] = defaultdict(set)  # time -> bins with a timer then
         self.events: list[dict] = []
         self.s_activator: Activator | None = None  # schedules S (set when S is built)
+        self.precopier: PreCopier | None = None  # F's copies ahead and replicas (set when F is built)
         self.left_times: list[Any] = []  # times of timers shipped away, until S rechecks their capabilities
         # With checkpoints (megaphone.checkpoint): the bins changed since their last offer (state or
         # timers touched by S, or installed by a migration), and the participant. None without.

@@ -83,10 +83,7 @@ class ControlInput:
 
     def _moves(self, assignment: Mapping[int, int], method: str) -> None:
         with self._naming(method):
-            if not isinstance(assignment, Mapping):
-                raise TableError(f"expected a {{bin: worker}} mapping, not {type(assignment).__name__} "
-                                 f"{assignment!r:.60}")
-            checked = dict(validate_move(b, w, self.nbins, self.peers) for b, w in assignment.items())
+            checked = self._checked(assignment)
             self._record(None, checked)
         self.handle.send_batch(move_updates(checked))
 
@@ -96,11 +93,18 @@ class ControlInput:
         :attr:`Migratable.copied <megaphone.Migratable.copied>` has passed this time, ships only
         what changed since."""
         with self._naming("precopy"):
-            if not isinstance(assignment, Mapping):
-                raise TableError(f"expected a {{bin: worker}} mapping, not {type(assignment).__name__} "
-                                 f"{assignment!r:.60}")
-            checked = dict(validate_move(b, w, self.nbins, self.peers) for b, w in assignment.items())
+            checked = self._checked(assignment)
         self.handle.send_batch([("precopy", b, w) for b, w in sorted(checked.items())])
+
+    def replicate(self, assignment: Mapping[int, int]) -> None:
+        """Keep a standby replica of each bin on a worker (``{bin: worker}``, :mod:`megaphone.precopy`):
+        the owner copies the bin there as :meth:`precopy` does, then refreshes the copy with the
+        changed keys every ``megaphone.precopy.REFRESH`` seconds; a move of the bin to that worker
+        ships only what changed since the last staged refresh, with no copy ahead first. The
+        replica ends when its bin moves (to it or elsewhere)."""
+        with self._naming("replicate"):
+            checked = self._checked(assignment)
+        self.handle.send_batch([("replica", b, w) for b, w in sorted(checked.items())])
 
     def install(self, table: Sequence[int]) -> None:
         """From the current time on, use the routing ``table``: a sequence of ``2**k`` worker
@@ -109,6 +113,12 @@ class ControlInput:
             checked = validate_table(table, self.nbins, self.peers)
             self._record(checked, {})
         self.handle.send(("table", checked))
+
+    def _checked(self, assignment: Any) -> dict[int, int]:
+        """``assignment`` as ``{bin: worker}`` of ints, once checked; raises :class:`TableError`."""
+        if not isinstance(assignment, Mapping):
+            raise TableError(f"expected a {{bin: worker}} mapping, not {type(assignment).__name__} {assignment!r:.60}")
+        return dict(validate_move(b, w, self.nbins, self.peers) for b, w in assignment.items())
 
     @contextlib.contextmanager
     def _naming(self, method: str) -> Iterator[None]:

@@ -73,6 +73,12 @@ class Migratable:
         Read it between steps; it changes as the dataflow runs and bins move."""
         return self._shared.codec.merged([b.state for b in self._shared.bins if b is not None])
 
+    def replicas(self) -> dict[int, dict[str, Any]]:
+        """The standby replicas of the bins this worker holds (:meth:`ControlInput.replicate
+        <megaphone.ControlInput.replicate>`): ``{bin: {"worker", "staged", "refreshes", "entries",
+        "bytes", "pending"}}`` (:meth:`megaphone.precopy.PreCopier.replica_status`)."""
+        return self._shared.precopier.replica_status() if self._shared.precopier is not None else {}
+
     def owned_bins(self) -> list[int]:
         """The bins currently held by this worker."""
         return [b for b, x in enumerate(self._shared.bins) if x is not None]
@@ -120,10 +126,11 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
     ident = Summary.identity(1)
 
     # F: inputs data_0..data_{n-1}, control; outputs data_0..data_{n-1}, state, copy (ahead of a
-    # hand-over: megaphone.precopy).
+    # hand-over, and the replicas' refreshes at the times of data records: megaphone.precopy).
     fb = OperatorBuilder(scope, f"{name} F")
     f_outs, f_streams = zip(*(fb.new_output() for _ in range(n + 2)))
-    f_data = [fb.new_input(s, None, [[ident] if o == i else [] for o in range(n + 2)]) for i, s in enumerate(streams)]
+    f_data = [fb.new_input(s, None, [[ident] if o in (i, n + 1) else [] for o in range(n + 2)])
+              for i, s in enumerate(streams)]
     # The control input is broadcast: every F sees every update. It connects only to the state and copy outputs.
     f_ctrl = fb.new_input(ctrl_stream, Broadcast(), [[] for _ in range(n)] + [[ident], [ident]])
     fb.set_frontier_interest(True)

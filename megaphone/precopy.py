@@ -21,6 +21,16 @@ the move in two (Rhino's hand-over; Kafka Streams' warm-up replicas):
    for another worker, or S reached more than half of the bin meanwhile, or iterated over the whole
    bin) the bin moves whole and the stale copy is dropped; the events say which and why.
 
+**Standby replicas.** A control record ``("replica", b, w)`` starts the same copy, but it stays:
+once staged, the owner keeps tracking the bin and, every :data:`REFRESH` seconds, sends the
+current values (or deletions) of the keys reached since the previous refresh, a *refresh*, at the
+time of a data record F is routing (F's data inputs are connected to the copy edge for that). A
+refresh starts only once the previous one (or the copy) is staged, so refreshes apply in order and
+at most one is in flight per replica. A move of the bin to ``w`` then ships only the keys reached
+since the newest staged refresh (the refresh in flight's keys too, when it is not staged yet): the
+same delta hand-over, without a copy ahead first. A move elsewhere drops the replica. A fold that
+iterates the bin voids the tracking: the replica is copied again at its next refresh.
+
 Only the row operators' dict state (:class:`~megaphone.bins.BinState`) is pre-copied; a bin of
 fewer than ``min_entries`` entries, or of another state (:func:`megaphone.aggregate`'s Arrow
 tables), moves whole.
@@ -62,6 +72,8 @@ MAX_SHARE = 0.25
 MIN_ENTRIES = 256
 #: A delta larger than this fraction of its bin's entries falls back to a whole move.
 MAX_DELTA_FRACTION = 0.5
+#: Seconds between two refreshes of a standby replica (the changes since the previous one).
+REFRESH = 1.0
 
 #: Keys reached per tracked state (by ``id``) since its copy began.
 _reached: dict[int, set] = {}
@@ -174,11 +186,12 @@ class TrackedState(BinState):
 
 
 class Copy:
-    """One bin being (or done being) copied ahead to ``target``."""
+    """One bin being (or done being) copied ahead to ``target``; a standby replica when ``replica``."""
 
-    __slots__ = ("b", "target", "cap", "t0", "state", "items", "left", "entries", "nbytes", "seconds", "began")
+    __slots__ = ("b", "target", "cap", "t0", "state", "items", "left", "entries", "nbytes", "seconds", "began",
+                 "replica", "gen", "before", "rcap", "rkeys", "rleft", "refreshes", "rentries", "rbytes")
 
-    def __init__(self, b: int, target: int, cap: Capability, state: BinState) -> None:
+    def __init__(self, b: int, target: int, cap: Capability, state: BinState, replica: bool = False) -> None:
         self.b = b
         self.target = target
         self.cap: Capability | None = cap  # at t0 on the pre-copy output, until every chunk is sent
@@ -193,6 +206,19 @@ class Copy:
         self.nbytes = 0
         self.seconds = 0.0  # spent copying
         self.began = _time.monotonic()
+        self.replica = replica
+        # A replica's refreshes. `gen`: the time of the newest refresh sent (t0 before the first);
+        # `before`: the keys it carries (reached between the previous refresh's snapshot and its
+        # own), still owed to the target while it is not staged; `rcap`/`rkeys`/`rleft`: the
+        # refresh being sent (its capability and the keys left).
+        self.gen = self.t0
+        self.before: set = set()
+        self.rcap: Capability | None = None
+        self.rkeys: Any = None
+        self.rleft = 0
+        self.refreshes = 0
+        self.rentries = 0
+        self.rbytes = 0
 
     @property
     def done(self) -> bool:
@@ -204,7 +230,7 @@ class PreCopier:
     """F's side on one worker: the copies of bins this worker owns, sent as time allows."""
 
     def __init__(self, shared: Shared, chunk: int | None = None, budget: float | None = None,
-                 min_entries: int | None = None, share: float | None = None) -> None:
+                 min_entries: int | None = None, share: float | None = None, refresh: float | None = None) -> None:
         self.shared = shared
         self.chunk = CHUNK if chunk is None else chunk  # defaults: this module's, when built
         self.budget = BUDGET if budget is None else budget
@@ -212,18 +238,29 @@ class PreCopier:
         self.resume = 0.0  # perf_counter time before which no copying is done (the rate limit)
         self._slice_end: tuple[float, tuple[float, float] | None] | None = None  # (perf_counter, thread times)
         self.min_entries = MIN_ENTRIES if min_entries is None else min_entries
+        self.refresh_every = REFRESH if refresh is None else refresh
+        self.next_refresh = 0.0  # monotonic time of the next refresh round
         self.copies: dict[int, Copy] = {}
+        self.active: set[int] = set()  # bins whose copy or refresh has chunks left to send
+        self.replicas = 0  # copies that are replicas
 
-    def start(self, b: int, target: int, cap: Capability) -> None:
+    @property
+    def sending(self) -> bool:
+        """Some copy or refresh has chunks left: :meth:`step` has work."""
+        return bool(self.active)
+
+    def start(self, b: int, target: int, cap: Capability, replica: bool = False) -> None:
         """Begin copying bin ``b`` to ``target`` (``cap``: at the request's time on the pre-copy
-        output). Bins this worker does not hold, small bins, and bins already copied move whole."""
+        output); ``replica``: keep the copy as a standby replica, refreshed until the bin moves.
+        Bins this worker does not hold, small bins, and bins already copied move whole."""
         shared = self.shared
         bin_ = shared.bins[b]
         reason = None
+        other = self.copies.get(b)
         if target == shared.index or bin_ is None or shared.routing_table()[b] != shared.index:
             reason = "not held here"
-        elif b in self.copies:
-            reason = "a copy is in flight"
+        elif other is not None:
+            reason = f"a replica is on worker {other.target}" if other.replica else "a copy is in flight"
         elif type(bin_.state) is not BinState:
             reason = "state is not a dict of rows"
         elif len(bin_.state) < self.min_entries:
@@ -232,14 +269,61 @@ class PreCopier:
             cap.drop()
             if bin_ is not None and target != shared.index:
                 shared.events.append({"kind": "precopy", "time": cap.time, "bins": [b], "to": [target],
-                                      "skipped": reason, "worker": shared.index})
+                                      "skipped": reason, "worker": shared.index, "replica": replica})
             return
         assert bin_ is not None
-        shared.thaw(b)  # a checkpoint's dump of the bin first (megaphone.checkpoint.BinDump)
-        state = bin_.state
-        self.copies[b] = Copy(b, target, cap, state)  # the snapshot, while the state is a plain BinState
+        self._begin(b, target, cap, bin_.state, replica)
+
+    def _begin(self, b: int, target: int, cap: Capability, state: BinState, replica: bool) -> None:
+        self.shared.thaw(b)  # a checkpoint's dump of the bin first (megaphone.checkpoint.BinDump)
+        self.copies[b] = Copy(b, target, cap, state, replica)  # the snapshot, while the state is a plain BinState
+        self.active.add(b)
+        self.replicas += replica
         _reached[id(state)] = set()
         state.__class__ = TrackedState
+
+    def refresh_due(self) -> bool:
+        """A refresh round of the replicas is due (cheap: called on every activation of F)."""
+        return self.replicas > 0 and _time.monotonic() >= self.next_refresh
+
+    def refresh(self, cap: Capability, delivered: Callable[[Any], bool]) -> None:
+        """Start a refresh of every replica whose previous refresh (or copy) is staged
+        (``delivered(time)``) and whose bin changed since, at ``cap``'s time (on the copy edge;
+        dropped here). A replica whose tracking was voided (the fold iterated the bin) is copied
+        again instead."""
+        self.next_refresh = _time.monotonic() + self.refresh_every
+        for b, copy in list(self.copies.items()):
+            if not copy.replica or not copy.done or copy.rcap is not None or not delivered(copy.gen):
+                continue
+            key = id(copy.state)
+            if key in _overflow:  # the tracking is void: a new copy, which replaces the staged one
+                _overflow.discard(key)
+                _reached.pop(key, None)
+                del self.copies[b]
+                self.replicas -= 1
+                self.shared.events.append({"kind": "replica", "time": cap.time, "bins": [b], "to": [copy.target],
+                                           "recopy": "the fold iterated over the bin", "worker": self.shared.index})
+                self._begin(b, copy.target, cap.delayed(cap.time), copy.state, True)
+                continue
+            reached = _reached[key]
+            if not reached:
+                continue
+            _reached[key] = set()  # the refresh's snapshot: changes from now on are the next one's
+            copy.before = reached
+            copy.rkeys = iter(list(reached))
+            copy.rleft = len(reached)
+            copy.rcap = cap.delayed(cap.time)
+            copy.gen = cap.time
+            self.active.add(b)
+        cap.drop()
+
+    def replica_status(self) -> dict[int, dict[str, Any]]:
+        """The standby replicas of bins held here: ``{bin: {"worker", "staged", "refreshes",
+        "entries", "bytes", "pending"}}`` (``staged``: the first copy was sent in full; ``entries``
+        and ``bytes``: sent by refreshes so far; ``pending``: keys changed since the last refresh)."""
+        return {b: {"worker": c.target, "staged": c.done, "refreshes": c.refreshes, "entries": c.rentries,
+                    "bytes": c.rbytes, "pending": len(_reached.get(id(c.state), ()))}
+                for b, c in self.copies.items() if c.replica}
 
     def step(self, out: OperatorOutput) -> float | None:
         """Send chunks for at most :attr:`budget` seconds, unless the rate limit says wait; the
@@ -268,28 +352,50 @@ class PreCopier:
 
     def _send(self, out: OperatorOutput, began: float) -> float | None:
         codec = self.shared.codec
-        for copy in self.copies.values():
-            if copy.cap is None:
-                continue
-            first = copy.entries == 0
-            while copy.left > 0 or first:  # at least one chunk: it makes the target stage the bin
-                first = False
-                t = _time.perf_counter()
-                part = dict(islice(copy.items, self.chunk))
-                copy.left -= len(part)
-                payload = codec.pack(part, [])
-                out.give_batch(copy.cap, [(copy.target, copy.b, payload, (copy.t0, self.shared.index))])
-                copy.entries += len(part)
-                copy.nbytes += codec.nbytes(payload)
-                copy.seconds += _time.perf_counter() - t
-                if _time.perf_counter() - began > self.budget:
-                    return 0.0
-            copy.cap.drop()
-            copy.cap = None
-            copy.items = iter(())
-            self.shared.events.append({"kind": "precopy", "time": copy.t0, "bins": [copy.b], "to": [copy.target],
-                                       "entries": copy.entries, "bytes": copy.nbytes, "seconds": copy.seconds,
-                                       "wall": _time.monotonic() - copy.began, "worker": self.shared.index})
+        me = self.shared.index
+        for b in sorted(self.active):
+            copy = self.copies[b]
+            if copy.cap is not None:
+                first = copy.nbytes == 0  # (an empty bin sends one empty chunk)
+                while copy.left > 0 or first:  # at least one chunk: it makes the target stage the bin
+                    first = False
+                    t = _time.perf_counter()
+                    part = dict(islice(copy.items, self.chunk))
+                    copy.left -= len(part)
+                    payload = codec.pack(part, [])
+                    out.give_batch(copy.cap, [(copy.target, copy.b, payload, (copy.t0, me))])
+                    copy.entries += len(part)
+                    copy.nbytes += codec.nbytes(payload)
+                    copy.seconds += _time.perf_counter() - t
+                    if _time.perf_counter() - began > self.budget:
+                        return 0.0
+                copy.cap.drop()
+                copy.cap = None
+                copy.items = iter(())
+                self.shared.events.append({"kind": "precopy", "time": copy.t0, "bins": [copy.b], "to": [copy.target],
+                                           "entries": copy.entries, "bytes": copy.nbytes, "seconds": copy.seconds,
+                                           "wall": _time.monotonic() - copy.began, "worker": me,
+                                           "replica": copy.replica})
+            elif copy.rcap is not None:
+                # A refresh: the keys' values now (newer than its snapshot is fine: a key changed
+                # since is tracked for the next refresh, and sent again), deletions by name.
+                state = copy.state
+                while copy.rleft > 0:
+                    keys = list(islice(copy.rkeys, self.chunk))
+                    copy.rleft -= len(keys)
+                    part = {k: dict.__getitem__(state, k) for k in keys if dict.__contains__(state, k)}
+                    deleted = [k for k in keys if not dict.__contains__(state, k)]
+                    payload = codec.pack(part, [])
+                    out.give_batch(copy.rcap, [(copy.target, copy.b, payload, (copy.t0, me), deleted)])
+                    copy.rentries += len(keys)
+                    copy.rbytes += codec.nbytes(payload)
+                    if _time.perf_counter() - began > self.budget:
+                        return 0.0
+                copy.rcap.drop()
+                copy.rcap = None
+                copy.rkeys = None
+                copy.refreshes += 1
+            self.active.discard(b)
         return None
 
     def hand_over(self, b: int, bin_: Bin, target: int,
@@ -300,6 +406,8 @@ class PreCopier:
         copy = self.copies.pop(b, None)
         if copy is None:
             return None, None, ""
+        self.active.discard(b)
+        self.replicas -= copy.replica
         done = copy.done
         state = copy.state
         key = id(state)
@@ -311,6 +419,11 @@ class PreCopier:
         if copy.cap is not None:
             copy.cap.drop()
             copy.cap = None
+        if copy.gen != copy.t0 and not delivered(copy.gen):
+            reached |= copy.before  # a refresh not staged yet: its keys are owed too
+        if copy.rcap is not None:
+            copy.rcap.drop()
+            copy.rcap = None
         if copy.target != target:
             return None, copy, f"the copy went to worker {copy.target}"
         if not done:
@@ -334,8 +447,10 @@ class Staging:
         self.staged: dict[int, tuple[Any, BinState]] = {}  # bin -> (copy's t0 and source, state so far)
         self.dropped: set[tuple[Any, int]] = set()  # copies dropped before all their chunks arrived
 
-    def chunk(self, b: int, payload: Any, ident: tuple[Any, int]) -> None:
-        """Stage one chunk of the copy ``ident`` (its time and source worker) of bin ``b``."""
+    def chunk(self, b: int, payload: Any, ident: tuple[Any, int], deleted: Any = ()) -> None:
+        """Stage one chunk of the copy ``ident`` (its time and source worker) of bin ``b``: entries,
+        and for a replica's refresh the keys ``deleted`` since. A chunk of a copy already installed
+        or dropped is ignored (a refresh not yet staged at its hand-over may arrive after it)."""
         ident = tuple(ident)  # a list after crossing processes
         if ident in self.dropped:
             return
@@ -343,7 +458,10 @@ class Staging:
         if entry is None or entry[0] != ident:
             entry = self.staged[b] = (ident, BinState())
         part, _ = self.shared.codec.unpack(payload)
-        entry[1].update(part)
+        state = entry[1]
+        state.update(part)
+        for k in deleted:
+            state.pop(k, None)
 
     def drop(self, b: int, ident: tuple[Any, int]) -> None:
         """The copy ``ident`` of bin ``b`` will not be used (the bin moved whole)."""
@@ -365,6 +483,7 @@ class Staging:
         if entry is None or entry[0] != ident:
             raise MegaphoneError(f"'{self.shared.name}': worker {self.shared.index} got the hand-over of bin {b} "
                                  f"without its copy ahead {ident!r}")
+        self.dropped.add(ident)  # a refresh still in flight must not reach the installed bin
         state = entry[1]
         updates, deleted, timers = pickle.loads(payload)
         state.update(updates)

@@ -14,7 +14,7 @@ from timely import Activator, Capability, Frontier, OperatorInput, OperatorOutpu
 
 from .bins import Shared
 from .precopy import PreCopier
-from .table import Table, TableError, apply, canonical, moved_bins, validate_update
+from .table import COPIES, Table, TableError, apply, canonical, moved_bins, validate_update
 
 
 class RoutingOperator:
@@ -29,7 +29,7 @@ class RoutingOperator:
         self.chunk = chunk
         self.copied = copied  # passes t0 once every copy ahead requested at t0 is staged (megaphone.precopy)
         self.activator = activator
-        self.precopier = PreCopier(shared)
+        self.precopier = shared.precopier = PreCopier(shared)
         self.ctrl_pending: dict[Any, tuple[Any, list, Any]] = {}
         self.to_extract: list[tuple[Any, tuple, tuple, Any]] = []
         self.stash: dict[Any, tuple[list, list]] = {}  # time -> (caps per input, batches per input)
@@ -55,10 +55,10 @@ class RoutingOperator:
                     validate_update(u, shared.nbins, shared.peers)
                 except TableError as e:
                     raise TableError(f"'{shared.name}': {e}") from None
-            for _, b, w in sorted(u for u in updates if u[0] == "precopy"):  # copy ahead (megaphone.precopy)
-                self.precopier.start(b, w, copy_cap.delayed(t))
+            for kind, b, w in sorted(u for u in updates if u[0] in COPIES):  # copy ahead (megaphone.precopy)
+                self.precopier.start(b, w, copy_cap.delayed(t), replica=kind == "replica")
             copy_cap.drop()
-            updates = [u for u in updates if u[0] != "precopy"]
+            updates = [u for u in updates if u[0] not in COPIES]
             if not updates:
                 cap.drop()
                 continue
@@ -73,9 +73,14 @@ class RoutingOperator:
             t, old, new, cap = self.to_extract.pop(0)
             self._extract(t, old, new, cap, state_out)
         # 4. New data: route now if the configuration at its time is final, else stash it (ARCHITECTURE 5.3).
+        #    The replicas' refreshes, when due, go at the time of the first record (megaphone.precopy).
+        refresh = self.precopier.refresh_due()
         for i, inp in enumerate(data_in):
             for cap, batch in inp:
                 t = cap.time
+                if refresh:
+                    refresh = False
+                    self.precopier.refresh(cap.retain(self.n + 1), self._copy_delivered)
                 if ctrl_frontier.less_equal(t):
                     entry = self.stash.get(t)
                     if entry is None:
@@ -96,7 +101,7 @@ class RoutingOperator:
                         data_out[i].give_batch(caps[i], batch)
                     caps[i].drop()
         # 6. Copy ahead for a bounded time; come back while copies have chunks left.
-        if self.precopier.copies:
+        if self.precopier.sending:
             again = self.precopier.step(copy_out)
             if again is not None:
                 self.activator.activate_after(again)

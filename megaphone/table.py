@@ -8,7 +8,9 @@ from a time on:
 * ``("move", bin, worker)``: bin ``bin`` moves to ``worker``;
 * ``("table", (w_0, ..., w_{nbins-1}))``: a whole new table;
 * ``("precopy", bin, worker)``: no change of the table; the owner of ``bin`` starts copying it to
-  ``worker`` ahead of a later move (:mod:`megaphone.precopy`).
+  ``worker`` ahead of a later move (:mod:`megaphone.precopy`);
+* ``("replica", bin, worker)``: the same copy, kept on ``worker`` as a standby replica and
+  refreshed until the bin moves (:mod:`megaphone.precopy`).
 
 Every check that a bin, a worker or a table exists and fits the configuration is made here and
 raises :class:`TableError`. Bins and workers are integers: Python's, or any other
@@ -27,7 +29,9 @@ from timely.errors import TimelyError
 MAX_K = 16  # at most 2^16 bins
 
 Table = tuple[int, ...]
-Update = tuple[Any, ...]  # ("move", bin, worker), ("precopy", bin, worker) or ("table", Table)
+Update = tuple[Any, ...]  # ("move" | "precopy" | "replica", bin, worker) or ("table", Table)
+#: The control records that copy a bin and change no table.
+COPIES = ("precopy", "replica")
 
 
 class TableError(TimelyError, ValueError):
@@ -90,11 +94,11 @@ def validate_table(table: Any, nbins: int | None = None, peers: int | None = Non
 def validate_update(update: Any, nbins: int, peers: int) -> Update:
     """``update`` as a control record of ints (see the module documentation), once checked that it
     is one and that its bins and workers exist; raises :class:`TableError` otherwise."""
-    if isinstance(update, (tuple, list)) and len(update) == 3 and update[0] in ("move", "precopy"):
+    if isinstance(update, (tuple, list)) and len(update) == 3 and update[0] in ("move", *COPIES):
         return (update[0], *validate_move(update[1], update[2], nbins, peers))
     if isinstance(update, (tuple, list)) and len(update) == 2 and update[0] == "table":
         return ("table", validate_table(update[1], nbins, peers))
-    raise TableError(f"control record {update!r:.200} is not ('move', bin, worker), ('precopy', bin, worker) or "
+    raise TableError(f"control record {update!r:.200} is not ('move' | 'precopy' | 'replica', bin, worker) or "
                      "('table', (worker per bin...))")
 
 

@@ -51,16 +51,17 @@ def test_tracked_state_records_reached_keys_and_voids_on_iteration():
 
 
 def precopy_job(worker, k: int, epochs: list, target=None, steps=None, actions=None, tunables=(0, 4, 0.0, 1.0),
-                spare: int = 0):
+                spare: int = 0, refresh: float = 1.0):
     """A keyed count; worker 0 runs a pre-copied rebalance to ``target`` (or the pre-copied
     ``steps``) through a controller once epoch 0 (the pre-load) is applied everywhere, and sends
-    ``actions`` (``{epoch: [("precopy" | "moves", {bin: worker})]}``) itself. ``tunables``: the
-    pre-copy's minimum bin size, chunk, time budget (small, so a copy spans many activations) and
-    share of the worker's time.
+    ``actions`` (``{epoch: [("precopy" | "replicate" | "moves", {bin: worker})]}``) itself.
+    ``tunables``: the pre-copy's minimum bin size, chunk, time budget (small, so a copy spans many
+    activations) and share of the worker's time; ``refresh``: seconds between replica refreshes.
     ``spare``: the last workers start with no bins."""
     import megaphone.precopy as pc
 
     pc.MIN_ENTRIES, pc.CHUNK, pc.BUDGET, pc.SHARE = tunables
+    pc.REFRESH = refresh
     job = LiveCount(worker, k, workers=worker.peers - spare)
     m = job.machine
     owned_at_start = m.owned_bins()
@@ -75,16 +76,20 @@ def precopy_job(worker, k: int, epochs: list, target=None, steps=None, actions=N
             ctl.rebalance(target, "batched", precopy=True)
         else:
             ctl.start(steps, precopy=True)
+    replicas_before_move: dict = {}
     while job.epoch < len(epochs) or (ctl is not None and ctl.busy):
         if worker.index == 0:
             for kind, assignment in (actions or {}).get(job.epoch, []):
                 getattr(job.control, kind)(assignment)
+        if any(kind == "moves" for kind, _ in (actions or {}).get(job.epoch + 1, [])):
+            replicas_before_move = m.replicas()
         job.advance(epochs[job.epoch][worker.index::worker.peers] if job.epoch < len(epochs) else [], ctl)
         assert time.monotonic() < deadline, "migration did not complete"
     return {"outputs": job.finish(), "table": list(m.routing_table()), "owned": m.owned_bins(),
             "owned_at_start": owned_at_start,
             "events": [e for e in m.events if e["kind"] in ("extract", "precopy", "fallback")],
-            "steps": [e.as_dict() for e in ctl.events] if ctl else []}
+            "steps": [e.as_dict() for e in ctl.events] if ctl else [],
+            "replicas_before_move": replicas_before_move, "replicas": m.replicas()}
 
 
 def preload(nkeys: int) -> list:
