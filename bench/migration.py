@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nexmark.keyed import DEFAULT_MODES, MODES, execute
+from nexmark.keyed import DEFAULT_MODES, MODES, epoch_of, execute
 from nexmark.metrics import Timeline, peak_between, percentiles
 from nexmark.openloop import Schedule, latencies
 from nexmark.report import align, median, plot_timelines
@@ -92,13 +92,17 @@ def analyse(cfg: dict, results: list[dict]) -> dict:
         steps = w0["steps"]
         copied = steps[0].get("copy") is not None  # the first step copied its bins ahead: it began then
         issue = steps[0]["copy"] if copied else steps[0]["issued"]
-        first = ((steps[0]["copy_time"] if copied else steps[0]["time"]) - 1) // cfg["epoch_ms"]  # its epoch
+        first = epoch_of(steps[0]["copy_time"] if copied else steps[0]["time"], cfg["epoch_ms"])  # its epoch
         out["complete"] = bool(w0["all_steps_done"]) and steps[-1]["completed"] is not None
         done = steps[-1]["completed"] if out["complete"] else w0["end"]
         out["steps"], out["bins_moved"] = len(steps), sum(s["bins"] for s in steps)
         ev = [e for r in results for e in r["events"]]
         out["bytes"] = sum(e["bytes"] for e in ev if e["kind"] == "extract")  # at the hand-overs
-        out["ahead_bytes"] = sum(e.get("bytes", 0) for e in ev if e["kind"] == "precopy")
+        out["ahead_bytes"] = sum(e.get("bytes", 0) for e in ev if e["kind"] == "precopy" and not e.get("replica"))
+        # Standby replicas: their copies (before the measured phase) and refreshes up to the migration.
+        out["replica_bytes"] = sum(e.get("bytes", 0) for e in ev if e["kind"] == "precopy" and e.get("replica"))
+        out["refresh_bytes"] = sum(r["info"].get("replicas", {}).get("bytes", 0) for r in results)
+        out["refreshes"] = sum(r["info"].get("replicas", {}).get("refreshes", 0) for r in results)
         out["fallbacks"] = sum(e["kind"] == "fallback" for e in ev)
         out["handover_s_max"] = max((e["seconds"] for e in ev if e["kind"] in ("extract", "install")), default=0.0)
         durations = [s["duration"] for s in steps if s["duration"] is not None] or [float("nan")]
@@ -185,6 +189,11 @@ def run_line(run: int, mode: str, m: dict) -> str:
     step = f", median step {m['median_step_s'] * 1e3:.1f} ms" if "median_step_s" in m else ""
     counts = "OK" if m["count_ok"] else "WRONG: " + m["count_error"]
     unfinished = "" if m["complete"] else f"; MIGRATION DID NOT FINISH ({m.get('steps_completed')} steps done)"
+    if m.get("ahead_bytes"):
+        step += f", {m['ahead_bytes'] / 2**20:,.1f} MiB copied ahead"
+    if m.get("replica_bytes"):
+        step += (f", replicas: {m['replica_bytes'] / 2**20:,.1f} MiB copied before, {m['refresh_bytes'] / 2**20:,.1f} MiB "
+                 f"in {m['refreshes']} refreshes until the migration")
     return (f"run {run} {mode:<11}: max {fmt_ms(m['mig_max'])} ms, p99 {fmt_ms(m['mig_p99'])} ms in the migration "
             f"({m['steps']} steps, {m['bins_moved']} bins, {m['bytes'] / 2**20:,.1f} MiB, duration "
             f"{m['duration']:.2f} s, window {m['window']:.2f} s{step}); steady p99 {fmt_ms(m['steady_p99'])} ms; "
@@ -207,7 +216,7 @@ def verdicts(medians: dict[str, dict]) -> list[str]:
         r = medians["batched"]["mig_max"] / plain
         out.append(f"batched max latency {fmt_ms(medians['batched']['mig_max'])} ms vs plain exchange steady "
                    f"p99 {fmt_ms(plain)} ms: {r:.2f}x (target <= 2x): {'MET' if r <= 2 else 'NOT met'}")
-    for mode in (m for m in medians if m.endswith("+precopy")):
+    for mode in (m for m in medians if m.endswith(("+precopy", "+replica"))):
         m = medians[mode]
         done = "" if m.get("complete", 1) else " (the migration did not finish within the run)"
         out.append(f"{mode} max latency {fmt_ms(m['mig_max'])} ms vs its steady p99.9 {fmt_ms(m['steady_p999'])} ms "

@@ -445,14 +445,16 @@ class Staging:
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
         self.staged: dict[int, tuple[Any, BinState]] = {}  # bin -> (copy's t0 and source, state so far)
-        self.dropped: set[tuple[Any, int]] = set()  # copies dropped before all their chunks arrived
+        # (bin, copy) dropped or installed: later chunks are ignored. Per bin: the copies of several
+        # bins requested at one time from one worker share their identity.
+        self.dropped: set[tuple[int, tuple[Any, int]]] = set()
 
     def chunk(self, b: int, payload: Any, ident: tuple[Any, int], deleted: Any = ()) -> None:
         """Stage one chunk of the copy ``ident`` (its time and source worker) of bin ``b``: entries,
         and for a replica's refresh the keys ``deleted`` since. A chunk of a copy already installed
         or dropped is ignored (a refresh not yet staged at its hand-over may arrive after it)."""
         ident = tuple(ident)  # a list after crossing processes
-        if ident in self.dropped:
+        if (b, ident) in self.dropped:
             return
         entry = self.staged.get(b)
         if entry is None or entry[0] != ident:
@@ -469,7 +471,7 @@ class Staging:
         entry = self.staged.get(b)
         if entry is not None and entry[0] == ident:
             del self.staged[b]
-        self.dropped.add(ident)
+        self.dropped.add((b, ident))
 
     def discard(self, b: int) -> None:
         """Bin ``b`` arrived whole: any copy staged for it is stale."""
@@ -483,7 +485,7 @@ class Staging:
         if entry is None or entry[0] != ident:
             raise MegaphoneError(f"'{self.shared.name}': worker {self.shared.index} got the hand-over of bin {b} "
                                  f"without its copy ahead {ident!r}")
-        self.dropped.add(ident)  # a refresh still in flight must not reach the installed bin
+        self.dropped.add((b, ident))  # a refresh still in flight must not reach the installed bin
         state = entry[1]
         updates, deleted, timers = pickle.loads(payload)
         state.update(updates)

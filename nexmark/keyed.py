@@ -26,17 +26,33 @@ from timely import collector, routing
 from .metrics import RssSampler, max_rss_bytes, runqueue_wait
 from .openloop import Completions, Schedule, start_together
 
-#: Megaphone's strategies, each also with its bins copied ahead ("+precopy", megaphone.precopy);
-#: restart: stop-and-restart; none: Megaphone without a migration (steady-state overhead).
-MODES = (*megaphone.STRATEGIES, *(f"{s}+precopy" for s in megaphone.STRATEGIES), "restart", "none")
+#: Megaphone's strategies, each also with its bins copied ahead ("+precopy", megaphone.precopy) or
+#: moved onto standby replicas kept since the pre-load ("+replica"); restart: stop-and-restart;
+#: none: Megaphone without a migration (steady-state overhead).
+MODES = (*megaphone.STRATEGIES, *(f"{s}+{x}" for x in ("precopy", "replica") for s in megaphone.STRATEGIES),
+         "restart", "none")
 DEFAULT_MODES = (*megaphone.STRATEGIES, "batched+precopy", "restart")
 CHUNK = megaphone.operators.DEFAULT_CHUNK  # state entries per shipped message (Megaphone's default)
 
 
+#: Dataflow time of the first measured epoch: time 0 is the pre-load, time 1 the standby replicas' request.
+ORIGIN = 2
+
+
 def logical(e: int, epoch_ms: int) -> int:
-    """Dataflow time of measured epoch ``e``: the elapsed millisecond at which it starts, plus 1
-    (time 0 is the pre-load)."""
-    return 1 + e * epoch_ms
+    """Dataflow time of measured epoch ``e``: the elapsed millisecond at which it starts, plus :data:`ORIGIN`."""
+    return ORIGIN + e * epoch_ms
+
+
+def epoch_of(time: int, epoch_ms: int) -> int:
+    """The measured epoch of dataflow time ``time`` (the inverse of :func:`logical`)."""
+    return (time - ORIGIN) // epoch_ms
+
+
+def replica_table(table: tuple[int, ...], target: tuple[int, ...], peers: int) -> dict[int, int]:
+    """A standby replica of every bin: on the worker a planned migration to ``target`` moves it to,
+    else on the next worker."""
+    return {b: t if t != w else (w + 1) % peers for b, (w, t) in enumerate(zip(table, target))}
 
 
 def give_half(table: tuple[int, ...], to: Callable[[int], int]) -> tuple[int, ...]:
@@ -207,6 +223,15 @@ def job(worker: timely.Worker) -> dict:
     if control is not None:
         control.advance_to(1)
     worker.step_while(lambda: probe.less_equal(0))
+    strategy, _, extra = mode.partition("+")
+    if control is not None and extra == "replica":  # standby replicas of the pre-loaded bins, staged
+        if index == 0:
+            control.replicate(replica_table(table0, target, peers))
+        data.advance_to(ORIGIN)
+        control.advance_to(ORIGIN)
+        assert mig is not None
+        copied = mig.copied
+        worker.step_while(lambda: copied.less_equal(1))
     preload_s = time.time() - t_load
     gc_policy = collector.configure(cfg["gc"])  # the pre-loaded state and schedule are never garbage
     start = start_together(worker)
@@ -218,7 +243,6 @@ def job(worker: timely.Worker) -> dict:
     if control is not None and index == 0:
         assert mig is not None
         controller = megaphone.Controller(control, probe, copied=mig.copied)
-    strategy, _, precopy = mode.partition("+")
     migrate_at = cfg["migrate_at"]
     pause_epoch = int(math.ceil(migrate_at / E))
     info: dict = {}
@@ -233,6 +257,11 @@ def job(worker: timely.Worker) -> dict:
         due = min(sched.due(now), epochs)
         if now >= migrate_at and "migrate" not in cpu:
             cpu["migrate"], cpu["wait_migrate"] = time.process_time(), runqueue_wait()
+            if mig is not None and extra == "replica":  # what the replicas' refreshes cost so far
+                reps = mig.replicas().values()
+                info["replicas"] = {"bins": len(reps), "refreshes": sum(r["refreshes"] for r in reps),
+                                    "entries": sum(r["entries"] for r in reps),
+                                    "bytes": sum(r["bytes"] for r in reps)}
         if mode == "restart" and not restarted and due > pause_epoch:
             due = pause_epoch  # paused: records keep being scheduled, not sent
             info.setdefault("pause", pause_epoch * E)  # records scheduled from here on are held
@@ -247,7 +276,7 @@ def job(worker: timely.Worker) -> dict:
                 control.advance_to(logical(sent, epoch_ms))
         if controller is not None:
             if not started and now >= migrate_at and mode != "none":
-                controller.start(megaphone.plan(table0, target, strategy, peers=peers), precopy=bool(precopy))
+                controller.start(megaphone.plan(table0, target, strategy, peers=peers), precopy=extra == "precopy")
                 started = True
             controller.tick()
         if sent == epochs and not closed:

@@ -10,22 +10,26 @@ another worker and refreshed with the keys changed since, so a move there ships 
 * A live keyed count on 3 workers whose bins get replicas, then move to them by plain moves (and
   one elsewhere): the sequential count, deltas only for the replicated bins, refreshes seen; the
   same under the schedule fuzzer.
+* Replicas of every bin, then a batched rebalance (steps at many times) onto random tables: the
+  sequential count (a regression: S ignored every replica of a worker once one was installed).
 """
 from __future__ import annotations
 
 import functools
+import pickle
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from megaphone_jobs import observed_count, sequential_count
+from megaphone_jobs import STEP_TIMEOUT, LiveCount, observed_count, sequential_count
 from test_megaphone_precopy import precopy_job, preload
 
 import megaphone.precopy as pc
 import timely
 from megaphone.bins import Shared
 from megaphone.control import ControlInput
+from megaphone.controller import Controller
 from megaphone.precopy import PreCopier, Staging
 from megaphone.table import TableError
 
@@ -191,3 +195,55 @@ def test_moves_onto_replicas_ship_deltas_and_equal_the_sequential_count(seed, fu
         assert set(fallbacks.values()) <= {"the copy was not done", "the copy was not staged yet"}
         assert deltas + len(fallbacks) == 5
     assert all(r["replicas"] == {} for r in results)  # every replica ended with its bin's move
+
+
+def test_installing_one_bins_copy_keeps_the_copies_of_others_with_the_same_identity():
+    shared = Shared("staging", 2, 1, 2)
+    s = Staging(shared)
+    codec = shared.codec
+    ident = (5, 0)  # bins 0 and 2, copied from worker 0 at time 5
+    s.chunk(0, codec.pack({1: "a"}, []), ident)
+    s.chunk(2, codec.pack({2: "b"}, []), ident)
+    state, _, _ = s.install(0, pickle.dumps(({}, [], [])), ident)
+    assert state == {1: "a"}
+    s.chunk(2, codec.pack({3: "c"}, []), ident, [2])  # a refresh of bin 2: still staged
+    s.chunk(0, codec.pack({1: "z"}, []), ident)  # a late refresh of bin 0: ignored
+    assert 0 not in s.staged and s.staged[2] == (ident, {3: "c"})
+    s.drop(2, ident)
+    s.chunk(2, codec.pack({4: "d"}, []), ident)
+    assert s.staged == {}
+
+
+def replicas_then_rebalance_job(worker, k: int, epochs: list, target: list, start_at: int):
+    """A keyed count; at epoch 1 worker 0 asks for a replica of every bin on the next worker, at
+    ``start_at`` it starts a plain batched rebalance to ``target`` through a controller."""
+    pc.REFRESH, pc.MIN_ENTRIES = 0.0, 0
+    job = LiveCount(worker, k)
+    m = job.machine
+    ctl = Controller(job.control, m.probe) if worker.index == 0 else None
+    job.advance(epochs[0][worker.index::worker.peers])
+    worker.step_while(lambda: m.probe.less_equal(0), timeout=STEP_TIMEOUT)
+    while job.epoch < len(epochs) or (ctl is not None and ctl.busy):
+        if ctl is not None and job.epoch == 1:
+            job.control.replicate({b: (b + 1) % worker.peers for b in range(1 << k)})
+        if ctl is not None and job.epoch == start_at:
+            ctl.rebalance(target, "batched")
+        job.advance(epochs[job.epoch][worker.index::worker.peers] if job.epoch < len(epochs) else [], ctl)
+    return {"outputs": job.finish(), "table": list(m.routing_table()),
+            "events": [e for e in m.events if e["kind"] in ("extract", "fallback")]}
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**16), workers=st.integers(2, 3), fuzz=st.one_of(st.none(), st.integers(0, 2**16)))
+def test_a_batched_rebalance_onto_replicas_equals_the_sequential_count(seed, workers, fuzz):
+    k = 5
+    rng = random.Random(seed)
+    epochs = [preload(3000)] + [[(rng.randrange(3000), 1) for _ in range(100)] for _ in range(50)]
+    target = [rng.randrange(workers) for _ in range(1 << k)]
+    results = timely.execute(functools.partial(replicas_then_rebalance_job, k=k, epochs=epochs, target=target,
+                                               start_at=15), workers=workers, fuzz=fuzz, timeout=240)
+    assert observed_count([o for r in results for o in r["outputs"]]) == sequential_count(epochs)
+    assert all(r["table"] == target for r in results)
+    if fuzz is None:
+        assert sum(e["modes"].get("delta", 0) for r in results for e in r["events"] if e["kind"] == "extract") > 0
