@@ -140,6 +140,10 @@ class Shared:
         self.events: list[dict] = []
         self.s_activator: Activator | None = None  # schedules S (set when S is built)
         self.precopier: PreCopier | None = None  # F's copies ahead and replicas (set when F is built)
+        # True where S's record path records the state keys each record reaches (state_machine: its
+        # key) in `tracked`, per bin being copied ahead or replicated (megaphone.precopy).
+        self.records_keys = False
+        self.tracked: dict[int, set] = {}
         self.left_times: list[Any] = []  # times of timers shipped away, until S rechecks their capabilities
         # With checkpoints (megaphone.checkpoint): the bins changed since their last offer (state or
         # timers touched by S, or installed by a migration), and the participant. None without.

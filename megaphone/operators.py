@@ -235,4 +235,6 @@ def state_machine(stream: Stream, control: Any, key: Any, fold: Callable, k: int
         return out
 
     key = _key_fn(0 if key is None else key)
-    return _build([stream], control, [key], logic, k, name, chunk, per_time=per_record_time(key, apply))
+    m = _build([stream], control, [key], logic, k, name, chunk, per_time=per_record_time(key, apply))
+    m._shared.records_keys = True  # a record reaches only its key's entry: S tracks copied bins by records
+    return m

@@ -36,7 +36,9 @@ fewer than ``min_entries`` entries, or of another state (:func:`megaphone.aggreg
 tables), moves whole.
 
 The invariant relied on (by the delta's correctness): every key whose value may differ from the
-copy sent is in the tracked set. Tracking begins with the snapshot; any later read or write of a
+copy sent is in the tracked set. ``state_machine``, whose records change only their own key's
+entry, tracks in S's record path (``Shared.tracked``, a set add per record of a tracked bin); the
+other row operators' folds get a :class:`TrackedState`. Tracking begins with the snapshot; any later read or write of a
 key through the state dict adds it (a value changed in place is reached first, so the chunk that
 carries it, made later, may be newer than the snapshot: the delta sends it again); a fold that
 iterates the bin marks it wholly changed. So a fold
@@ -276,11 +278,38 @@ class PreCopier:
 
     def _begin(self, b: int, target: int, cap: Capability, state: BinState, replica: bool) -> None:
         self.shared.thaw(b)  # a checkpoint's dump of the bin first (megaphone.checkpoint.BinDump)
-        self.copies[b] = Copy(b, target, cap, state, replica)  # the snapshot, while the state is a plain BinState
+        copy = self.copies[b] = Copy(b, target, cap, state, replica)  # the snapshot, while the state is a plain BinState
         self.active.add(b)
         self.replicas += replica
-        _reached[id(state)] = set()
-        state.__class__ = TrackedState
+        self._track(copy, set())
+        if not self.shared.records_keys:
+            state.__class__ = TrackedState
+
+    def _track(self, copy: Copy, keys: set) -> None:
+        """From now on, record the keys of ``copy``'s bin reached in ``keys``: S's record path does
+        (``Shared.records_keys``: ``state_machine``), else the bin's :class:`TrackedState`."""
+        if self.shared.records_keys:
+            self.shared.tracked[copy.b] = keys
+        else:
+            _reached[id(copy.state)] = keys
+
+    def _reached(self, copy: Copy) -> set:
+        """The keys of ``copy``'s bin reached since its copy's (or last refresh's) snapshot."""
+        if self.shared.records_keys:
+            return self.shared.tracked.get(copy.b, set())
+        return _reached.get(id(copy.state), set())
+
+    def _untrack(self, copy: Copy) -> tuple[set, bool]:
+        """Stop tracking ``copy``'s bin; the keys reached, and whether the fold iterated the bin."""
+        if self.shared.records_keys:
+            return self.shared.tracked.pop(copy.b, set()), False
+        state = copy.state
+        key = id(state)
+        whole = key in _overflow
+        _overflow.discard(key)
+        if type(state) is TrackedState:
+            state.__class__ = BinState  # type: ignore[assignment]
+        return _reached.pop(key, set()), whole
 
     def refresh_due(self) -> bool:
         """A refresh round of the replicas is due (cheap: called on every activation of F)."""
@@ -295,20 +324,18 @@ class PreCopier:
         for b, copy in list(self.copies.items()):
             if not copy.replica or not copy.done or copy.rcap is not None or not delivered(copy.gen):
                 continue
-            key = id(copy.state)
-            if key in _overflow:  # the tracking is void: a new copy, which replaces the staged one
-                _overflow.discard(key)
-                _reached.pop(key, None)
+            if id(copy.state) in _overflow:  # the tracking is void: a new copy, which replaces the staged one
+                self._untrack(copy)
                 del self.copies[b]
                 self.replicas -= 1
                 self.shared.events.append({"kind": "replica", "time": cap.time, "bins": [b], "to": [copy.target],
                                            "recopy": "the fold iterated over the bin", "worker": self.shared.index})
                 self._begin(b, copy.target, cap.delayed(cap.time), copy.state, True)
                 continue
-            reached = _reached[key]
+            reached = self._reached(copy)
             if not reached:
                 continue
-            _reached[key] = set()  # the refresh's snapshot: changes from now on are the next one's
+            self._track(copy, set())  # the refresh's snapshot: changes from now on are the next one's
             copy.before = reached
             copy.rkeys = iter(list(reached))
             copy.rleft = len(reached)
@@ -322,7 +349,7 @@ class PreCopier:
         "entries", "bytes", "pending"}}`` (``staged``: the first copy was sent in full; ``entries``
         and ``bytes``: sent by refreshes so far; ``pending``: keys changed since the last refresh)."""
         return {b: {"worker": c.target, "staged": c.done, "refreshes": c.refreshes, "entries": c.rentries,
-                    "bytes": c.rbytes, "pending": len(_reached.get(id(c.state), ()))}
+                    "bytes": c.rbytes, "pending": len(self._reached(c))}
                 for b, c in self.copies.items() if c.replica}
 
     def step(self, out: OperatorOutput) -> float | None:
@@ -410,12 +437,7 @@ class PreCopier:
         self.replicas -= copy.replica
         done = copy.done
         state = copy.state
-        key = id(state)
-        reached = _reached.pop(key, set())
-        whole = key in _overflow
-        _overflow.discard(key)
-        if type(state) is TrackedState:
-            state.__class__ = BinState  # type: ignore[assignment]
+        reached, whole = self._untrack(copy)
         if copy.cap is not None:
             copy.cap.drop()
             copy.cap = None

@@ -70,11 +70,11 @@ OPS = st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, 11), st.integers
 
 
 @settings(max_examples=500, deadline=None)
-@given(ops=OPS, late=st.lists(st.integers(0, 1000), max_size=20), size=st.integers(0, 12))
-def test_a_replica_with_its_delta_is_the_owners_state_in_any_delivery_order(ops, late, size):
+@given(ops=OPS, late=st.lists(st.integers(0, 1000), max_size=20), size=st.integers(0, 12), records=st.booleans())
+def test_a_replica_with_its_delta_is_the_owners_state_in_any_delivery_order(ops, late, size, records):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pc, "MAX_DELTA_FRACTION", float("inf"))  # any delta goes as one: every hand-over is checked
-        check_replica(ops, late, size)
+        check_replica(ops, late, size, records)
 
 
 def test_the_model_hands_over_deltas_after_refreshes():
@@ -86,15 +86,18 @@ def test_the_model_hands_over_deltas_after_refreshes():
         for _ in range(1000):
             ops = [(rng.choice(KINDS), rng.randrange(12), rng.randrange(1000)) for _ in range(rng.randrange(80))]
             late = [rng.randrange(1000) for _ in range(rng.randrange(20))]
-            refreshes = check_replica(ops, late, rng.randrange(13))
+            refreshes = check_replica(ops, late, rng.randrange(13), rng.random() < 0.5)
             if refreshes is not None:
                 handed_over.append(refreshes)
     assert len(handed_over) > 300 and sum(n > 0 for n in handed_over) > 100
 
 
-def check_replica(ops: list, late: list, size: int) -> int | None:
-    """The model's run; the refreshes sent before the delta hand-over, or None for a whole move."""
+def check_replica(ops: list, late: list, size: int, records: bool = False) -> int | None:
+    """The model's run; the refreshes sent before the delta hand-over, or None for a whole move.
+    ``records``: the keys reached are recorded as S's record path does for ``state_machine``
+    (``Shared.tracked``), not by a :class:`TrackedState`."""
     owner, holder = Shared("model", 1, 0, 2), Shared("model", 1, 1, 2)  # bin 0 on worker 0
+    owner.records_keys = records
     state = owner.bins[0].state
     for key in range(size):
         state[key] = [key]
@@ -114,6 +117,11 @@ def check_replica(ops: list, late: list, size: int) -> int | None:
     while edge.flight:
         deliver(0)
     for op, key, v in ops:
+        if records:
+            if op == "iterate":
+                continue  # a state_machine record reaches only its own key
+            if 0 in owner.tracked:
+                owner.tracked[0].add(key)
         if op == "write":
             state[key] = [v]
         elif op == "append" and key in state:
