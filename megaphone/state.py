@@ -51,12 +51,8 @@ def per_record_time(key: Any, apply: PerRecord) -> PerTime:
                             changed[b] = {r[0]}
                         elif keys is not None:
                             keys.add(r[0])
-            tracked = shared.tracked
-            if tracked:  # bins copied ahead or replicated: the keys reached since (megaphone.precopy)
-                for b, r in zip(bins, batch):
-                    keys = tracked.get(b)
-                    if keys is not None:
-                        keys.add(r[0])
+            if shared.tracked:  # bins copied ahead or replicated: the keys reached since (megaphone.precopy)
+                routing.add_keys(bins, batch, shared.tracked)
             for b, r in zip(bins, batch):
                 bin_ = bins_held[b]
                 if bin_ is None:

@@ -262,3 +262,18 @@ def bins_of(records: Sequence, key: Key, k: int, counts: Any = None) -> list[int
         return [h[i] for i in range(n)]
     finally:
         PyMem_Free(h)
+
+
+def add_keys(bins: list, records: Sequence, tracked: dict) -> None:
+    """For each record whose bin (``bins[i]``, as :func:`bins_of` gives them) has a set in
+    ``tracked``, add the record's field 0 to that set: the state keys ``state_machine`` records
+    reach, per bin copied ahead or replicated (``megaphone.precopy``). One pass, no Python calls."""
+    cdef Py_ssize_t i, n = len(bins)
+    seq = _as_batch(records)
+    if len(seq) != n:
+        raise ValueError(f"add_keys: {n} bins for {len(seq)} records")
+    cdef object s
+    for i in range(n):
+        s = tracked.get(bins[i])
+        if s is not None:
+            (<set?>s).add(seq[i][0])

@@ -486,3 +486,16 @@ def test_partition_uniform_for_sequential_ints():
     for peers in (2, 3, 7):
         counts = [len(p) for p in H.partition(recs, peers, 0)]
         assert chi_square(counts) < (peers - 1) + 8 * math.sqrt(2 * (peers - 1))
+
+
+@settings(max_examples=100)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(-50, 50)), max_size=60),
+       st.sets(st.integers(0, 7)))
+def test_add_keys_matches_oracle(pairs, tracked_bins):
+    bins, records = [b for b, _ in pairs], [(key, "v") for _, key in pairs]
+    tracked = {b: {"old"} for b in tracked_bins}
+    H.add_keys(bins, records, tracked)
+    expected = {b: {"old"} | {r[0] for bb, r in zip(bins, records) if bb == b} for b in tracked_bins}
+    assert tracked == expected
+    with pytest.raises(ValueError, match="2 bins for 1 records"):
+        H.add_keys([0, 1], [(1, 2)], tracked)

@@ -1,7 +1,8 @@
 """Deterministic routing of records to workers, backed by the Cython hashing module.
 
 ``hash64`` is the hash every worker agrees on; ``partition``, ``bins_of`` and ``route_bins`` route
-whole batches with it (``native/hashing.pyx`` defines all four exactly).
+whole batches with it (``native/hashing.pyx`` defines all four exactly); ``add_keys`` collects the
+keys of a batch's records per bin.
 """
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any
 
 import msgpack
 
-from ._native.hashing import bins_of, hash64, partition, route_bins
+from ._native.hashing import add_keys, bins_of, hash64, partition, route_bins
 
-__all__ = ["bins_of", "hash64", "partition", "route_bins", "serialisable"]
+__all__ = ["add_keys", "bins_of", "hash64", "partition", "route_bins", "serialisable"]
 
 
 def serialisable(record: Any) -> bool:
