@@ -50,6 +50,7 @@ from __future__ import annotations
 import pickle
 import time as _time
 from collections.abc import Callable
+from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -407,11 +408,13 @@ class PreCopier:
                 # A refresh: the keys' values now (newer than its snapshot is fine: a key changed
                 # since is tracked for the next refresh, and sent again), deletions by name.
                 state = copy.state
+                value = partial(dict.__getitem__, state)  # not TrackedState's: reading reaches nothing
                 while copy.rleft > 0:
                     keys = list(islice(copy.rkeys, self.chunk))
                     copy.rleft -= len(keys)
-                    part = {k: dict.__getitem__(state, k) for k in keys if dict.__contains__(state, k)}
-                    deleted = [k for k in keys if not dict.__contains__(state, k)]
+                    present = dict.keys(state) & keys  # at C speed, as the rest of the chunk
+                    part = dict(zip(present, map(value, present)))
+                    deleted = list(set(keys) - present) if len(present) < len(keys) else []
                     payload = codec.pack(part, [])
                     out.give_batch(copy.rcap, [(copy.target, copy.b, payload, (copy.t0, me), deleted)])
                     copy.rentries += len(keys)
