@@ -257,10 +257,10 @@ def test_validate_update_and_apply():
         (("table", (0, 1)), "routing table has 2 entries, expected one per bin (4)"),
         (("table", (0, 1, 0, 7)), "routing table, bin 3: worker 7 does not exist"),
         (("table", "0101"), "must be a sequence of 4 workers"),
-        (("move", 1), "is not ('move', bin, worker), ('precopy', bin, worker) or ('table'"),
-        (("swap", 1, 2), "is not ('move', bin, worker), ('precopy', bin, worker) or ('table'"),
-        ((), "is not ('move', bin, worker)"),
-        ("move", "is not ('move', bin, worker)"),
+        (("move", 1), "is not ('move' | 'precopy' | 'replica', bin, worker) or ('table'"),
+        (("swap", 1, 2), "is not ('move' | 'precopy' | 'replica', bin, worker) or ('table'"),
+        ((), "is not ('move' | 'precopy' | 'replica', bin, worker)"),
+        ("move", "is not ('move' | 'precopy' | 'replica', bin, worker)"),
     ]:
         with pytest.raises(TableError, match=re.escape(msg)):
             validate_update(u, 4, 2)
