@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import signal
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +21,14 @@ from hypothesis import strategies as st
 import timely
 from timely.testing import bag
 from timely.testing import normalize as norm
+
+# A test run started in the background by a non-interactive shell inherits SIGINT and SIGQUIT
+# ignored (POSIX), and so would every process the tests start: a job stopped with Ctrl-C by a test
+# would never see it. Restore the defaults here, for this process and the processes it starts.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 #: Seeds of the schedule fuzzer (``fuzz=SEED``) for hypothesis to draw: the fuzz tests' ``seed``.
 FUZZ_SEEDS = st.integers(0, 2**32 - 1)
