@@ -18,8 +18,6 @@ from timely import Capability, Frontier, InputCapability, OperatorInput, Operato
 from .bins import Bin, MegaphoneError, Shared
 from .precopy import Staging
 
-_NONE: Any = object()  # no entry
-
 PerRecord = Callable[[dict, Any, list], None]  # (bin state, record, outputs): state_machine's fold
 #: Applies a whole complete time at once, for an operator without timers: ``(time, batches per
 #: input, shared) -> output records``, the bins being ``shared.bins`` (state_machine, columnar).
@@ -45,12 +43,9 @@ def per_record_time(key: Any, apply: PerRecord) -> PerTime:
                 dirty.update(bins)
                 changed = shared.changed
                 if changed is not None:  # the state keys each bin changed (its records' keys)
-                    for b, r in zip(bins, batch):
-                        keys = changed.get(b, _NONE)
-                        if keys is _NONE:
-                            changed[b] = {r[0]}
-                        elif keys is not None:
-                            keys.add(r[0])
+                    for b in set(bins).difference(changed):
+                        changed[b] = set()
+                    routing.add_keys(bins, batch, changed)  # a bin offered whole (None) stays whole
             if shared.tracked:  # bins copied ahead or replicated: the keys reached since (megaphone.precopy)
                 routing.add_keys(bins, batch, shared.tracked)
             for b, r in zip(bins, batch):
