@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import threading
 import time
 import urllib.error
@@ -194,6 +195,10 @@ def test_dashboard_api(tmp_path, monkeypatch):
         wait_for(lambda: (tmp_path / "port").exists(), 60)
         url = f"http://127.0.0.1:{(tmp_path / 'port').read_text()}/"
         assert b"Chart" in urllib.request.urlopen(url + "static/chart.min.js", timeout=10).read(200)
+        for _ in range(3):  # clients that leave mid-download (a closed tab) do not end the job
+            with socket.create_connection(("127.0.0.1", int((tmp_path / "port").read_text())), timeout=10) as c:
+                c.sendall(b"GET /static/chart.min.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                # and close before the reply: the server's writes after the first one fail (EPIPE)
 
         def applied() -> int:
             state = api(url + "api/state")[1]

@@ -290,3 +290,24 @@ def test_the_workers_of_one_run_share_a_job_id_that_no_other_run_has():
     assert first[0] == first[1] and second[0] == second[1]
     assert len({first[0], second[0], alone[0]}) == 3
     assert all(isinstance(j, str) and len(j) >= 16 for j in first + second + alone)
+
+
+def _write_into_a_closed_socket(worker: timely.Worker) -> str:
+    import socket
+
+    mine, theirs = socket.socketpair()
+    theirs.close()  # a client that went away mid-reply, as a browser closing the dashboard's page
+    try:
+        mine.sendall(b"x" * 100_000)
+    except BrokenPipeError:
+        return "BrokenPipeError"
+    finally:
+        mine.close()
+    return "sent"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_socket_whose_peer_closed_raises_in_the_worker_instead_of_killing_it(no_leftovers, start):
+    """The dashboard's server runs in worker 0: a client closing early must not end the job."""
+    assert timely.execute(_write_into_a_closed_socket, 2, start=start, timeout=50) == ["BrokenPipeError"] * 2

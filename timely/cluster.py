@@ -31,6 +31,7 @@ import multiprocessing.connection
 import os
 import pickle
 import secrets
+import select
 import shutil
 import signal
 import sys
@@ -174,9 +175,10 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops everyone
     signal.signal(signal.SIGTERM, _on_sigterm)
-    # Output into a closed pipe (`job | head`) ends the worker quietly, as it ends a Unix tool,
-    # instead of a BrokenPipeError in whichever operator printed. (ZeroMQ sends with MSG_NOSIGNAL.)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # SIGPIPE stays ignored (Python's default): a socket the worker writes to (the dashboard's, a
+    # client that closed its download early) raises BrokenPipeError there instead of killing the
+    # worker. Output into a closed pipe (`job | head`) still ends the worker as it ends a Unix tool:
+    # _end_if_output_closed turns that BrokenPipeError into death by SIGPIPE.
 
     def report(result: Any) -> None:
         conn.send_bytes(pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
@@ -188,6 +190,7 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
         except _Stopped:
             code = 128 + signal.SIGTERM
         except BaseException as exc:
+            _end_if_output_closed(exc)
             code = 1
             _report_failure(conn, exc)
     except _Stopped:
@@ -200,9 +203,42 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
             conn.close()
         except Exception:
             pass
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BrokenPipeError as exc:
+            _end_if_output_closed(exc)
     os._exit(code)  # not the interpreter's teardown: seconds for a large heap, before the parent sees the end
+
+
+def _end_if_output_closed(exc: BaseException) -> None:
+    """Die by SIGPIPE, as a Unix tool does, if ``exc`` comes from writing into a standard output or
+    error whose reader went away (``job | head``); return otherwise (a socket's BrokenPipeError is
+    an ordinary failure, or the job's own to handle)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    broken = False
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        broken |= isinstance(e, BrokenPipeError)
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+    if broken and any(_reader_gone(fd) for fd in (1, 2)):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGPIPE)
+        signal.pause()  # SIGPIPE is not blocked: not reached
+
+
+def _reader_gone(fd: int) -> bool:
+    """Whether ``fd`` is a pipe whose every reader has closed it (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(fd, 0)  # POLLERR and POLLHUP are reported whatever the mask
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def _report_failure(conn: multiprocessing.connection.Connection, exc: BaseException) -> None:
