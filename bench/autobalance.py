@@ -68,6 +68,7 @@ def job(worker: timely.Worker) -> Any:
     rate, work, epoch_ms = (int(a) for a in (worker.args[1], worker.args[5], worker.args[6]))
     seconds, shift_at, share, threshold, interval = (float(a) for a in (worker.args[2], worker.args[3], worker.args[4],
                                                                          worker.args[7], worker.args[8]))
+    target = None if worker.args[9] == "None" else float(worker.args[9])
     epoch_s = epoch_ms / 1000
 
     def fold(key: Any, value: int, state: int | None) -> tuple[int, tuple]:
@@ -83,8 +84,8 @@ def job(worker: timely.Worker) -> Any:
     controller = megaphone.Controller(control, m.probe) if worker.index == 0 else None
     balancer = None
     if controller is not None and mode == "auto":
-        balancer = megaphone.AutoBalancer(controller, worker, threshold=threshold, hold=2, window=2, cooldown=30,
-                                          interval=interval)
+        balancer = megaphone.AutoBalancer(controller, worker, threshold=threshold, target=target, hold=2, window=2,
+                                          cooldown=30, interval=interval)
     if controller is not None and mode == "static":
         loads = [0.0] * (1 << K)
         for key, _ in epoch_batch(0, 1000, hot, True, share, 0):
@@ -156,7 +157,7 @@ def summarise(result: Any, shift_at: float, epoch_s: float, mode: str) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run every mode ``--runs`` times and print the medians."""
+    """Run every mode ``--runs`` times, round-robin, and print the medians."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", nargs="+", default=["none", "auto", "static"], choices=["none", "auto", "static"])
     p.add_argument("--rate", type=int, default=16_000, help="records per second, all workers")
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=int, default=5000, help="loop iterations per record in the fold")
     p.add_argument("--epoch-ms", type=int, default=10)
     p.add_argument("--threshold", type=float, default=0.25)
+    p.add_argument("--target", type=float, default=None,
+                   help="the AutoBalancer's target imbalance after a move (default: half the threshold)")
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--interval", type=float, default=0.25, help="seconds between the AutoBalancer's evaluations")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
@@ -173,21 +176,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(f"os.cpu_count() = {os.cpu_count()}; {opts.workers} workers; {opts.rate:,} records/s; "
           f"shift at {opts.shift_at:g} s to {opts.hot_share:.0%} hot; median of {opts.runs} run(s)")
-    for mode in opts.modes:
-        runs = []
-        for _ in range(opts.runs):
+    # Round-robin over the modes (auto, static, auto, static, ...): a drift of the machine's load
+    # during the invocation falls on every mode alike, not on whichever block ran first.
+    runs: dict[str, list[dict]] = {mode: [] for mode in opts.modes}
+    for _ in range(opts.runs):
+        for mode in opts.modes:
             with tempfile.TemporaryDirectory() as d:
                 os.environ[ENV] = MetricsConfig(hub=f"ipc://{d}/hub", interval=0.1).to_env()
                 args = [mode, opts.rate, opts.seconds, opts.shift_at, opts.hot_share, opts.work, opts.epoch_ms,
-                        opts.threshold, opts.interval]
+                        opts.threshold, opts.interval, opts.target]
                 result = timely.execute(job, workers=opts.workers, args=[str(a) for a in args], start="spawn",
                                         timeout=opts.seconds + 120)[0]
                 del os.environ[ENV]
-            runs.append(summarise(result, opts.shift_at, opts.epoch_ms / 1000, mode))
-        keys = sorted({k for r in runs for k in r})
-        med = {k: statistics.median(r[k] for r in runs if k in r) for k in keys}
+            runs[mode].append(summarise(result, opts.shift_at, opts.epoch_ms / 1000, mode))
+    for mode, done in runs.items():
+        keys = sorted({k for r in done for k in r})
+        med = {k: statistics.median(r[k] for r in done if k in r) for k in keys}
         print(f"{mode:7s} " + "  ".join(f"{k}={v:,.1f}" for k, v in med.items()))
-
 
 if __name__ == "__main__":
     main()
