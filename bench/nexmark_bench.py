@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-dilation", type=int, default=1, help="event time / wall time (default 1)")
     ap.add_argument("--k", type=int, default=8, help="2^k Megaphone bins (default 8)")
     ap.add_argument("--migration", default=None,
-                    help="migration strategy: all_at_once, fluid or batched (each also with +precopy: copied ahead), "
-                         "or a comma-separated list run in turn "
-                         "(Megaphone variant; needs --migrate-at)")
+                    help="migration strategy: all_at_once, fluid or batched (each also with +precopy: copied ahead; "
+                         "or +replica: standby replicas on the targets, requested in the history's last round), "
+                         "or a comma-separated list run in turn (Megaphone variant; needs --migrate-at)")
     ap.add_argument("--runs", type=int, default=1,
                     help="runs of each configuration; with more than one, a table of medians follows (default 1)")
     ap.add_argument("--migrate-at", type=float, action="append", default=[],
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
 
     strategies: list[str | None] = args.migration.split(",") if args.migration else [None]
-    known = (*megaphone.STRATEGIES, *(f"{s}+precopy" for s in megaphone.STRATEGIES))
+    known = (*megaphone.STRATEGIES, *(f"{s}+{x}" for x in ("precopy", "replica") for s in megaphone.STRATEGIES))
     for m in strategies:
         if m is not None and m not in known:
             raise SystemExit(f"--migration: unknown strategy {m!r} ({', '.join(known)})")

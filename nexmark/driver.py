@@ -15,7 +15,10 @@ its scheduled time, binned into histograms after the measured phase.
 
 Worker 0 owns the migration controller: at each ``migrate_at`` time it plans a move to the next
 target table (alternately ``skewed`` and back to ``balanced``) with the chosen strategy and issues
-its steps one at a time.
+its steps one at a time. ``+precopy`` copies each step's bins ahead; ``+replica`` keeps a standby
+replica of every bin, requested in the history's last round (staged before the measured phase) on
+the worker the first migration moves it to, so that migration ships only what changed since the
+replica's last refresh.
 
 ``history`` seconds of the schedule can be replayed before the measured phase, as fast as the
 dataflow takes them (closed loop, not measured): the query then starts the measured phase with the
@@ -148,6 +151,8 @@ class WorkerRun:
             self.controller = megaphone.Controller(self.control, self.probe)  # copies ahead: control.copied
             self.targets = _targets(self.controller, worker.peers, len(spec.migrate_at), spec.skew)
         self.migrations = sorted(spec.migrate_at)
+        self.strategy, _, self.extra = str(spec.migration).partition("+")  # "batched+precopy", "batched+replica"
+        self.replica_time: int | None = None  # when the standby replicas were requested
         self.history = int(spec.history * 1000)  # epochs replayed before the measured phase
         self.schedule = Schedule(spec.rate, 1, worker.index, worker.peers, origin=self.history)
         self.epochs = int(spec.duration * 1000)  # measured epochs
@@ -188,8 +193,17 @@ class WorkerRun:
         self.done_sending = due >= self.epochs
         if self.controller is not None and self.migrations and now >= self.migrations[0]:
             self.migrations.pop(0)
-            strategy, _, precopy = str(self.spec.migration).partition("+")  # "batched+precopy": copied ahead
-            self.controller.rebalance(self.targets.pop(0), strategy, precopy=bool(precopy))
+            self.controller.rebalance(self.targets.pop(0), self.strategy, precopy=self.extra == "precopy")
+
+    def request_replicas(self) -> None:
+        """Worker 0 asks for a standby replica of every bin (``+replica``), at the inputs' current
+        epoch: on the worker the first planned migration moves it to, else on the next worker."""
+        assert self.control is not None
+        self.replica_time = self.stamp
+        if self.controller is not None:
+            table, target, peers = self.controller.planned_table, self.targets[0], self.worker.peers
+            self.control.replicate({b: t if t != w else (w + 1) % peers
+                                    for b, (w, t) in enumerate(zip(table, target))})
 
     def replay_history(self, round_epochs: int = 20, in_flight: int = 3) -> None:
         """Send the history's events (epochs ``[0, history)``) as fast as the dataflow takes them,
@@ -201,10 +215,15 @@ class WorkerRun:
         started = time.perf_counter()
         while self.stamp < self.history:
             target = min(self.stamp + round_epochs, self.history)
+            if target == self.history and self.extra == "replica" and self.control is not None:
+                self.request_replicas()  # of the state the history built, before its last round
             self._feed(target)
             worker.step_while(lambda: probe.less_than(target - in_flight * round_epochs), timeout=600)
             progress.update(target / 1000, f"{(time.perf_counter() - started):.0f} s")
         worker.step_while(lambda: probe.less_than(self.history), timeout=600)
+        if self.replica_time is not None and self.control is not None:  # replicas staged before measuring
+            copied, asked = self.control.copied, self.replica_time
+            worker.step_while(lambda: copied.less_equal(asked), timeout=600)
         self.last_stamp = self.stamp
         self.produced = 0  # the measured phase counts its own output
         progress.close()
@@ -218,6 +237,8 @@ class WorkerRun:
         spec, worker, probe, completions = self.spec, self.worker, self.probe, self.completions
         if self.history:
             self.replay_history()
+        elif self.extra == "replica" and self.control is not None:
+            self.request_replicas()  # no history: replicas of empty bins, copied in the first round
         progress = _Progress(spec.duration, f"{spec.query}{'-flex' if spec.flex else ''}",
                              spec.progress and worker.index == 0)
         # The collector first (a full collection over a large state takes seconds, and longer on one

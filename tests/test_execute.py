@@ -139,6 +139,21 @@ def test_a_timeout_stops_and_reaps_every_worker(no_leftovers, workers, start):
     assert new_children(before) == []  # stopped and reaped before it raised
 
 
+def _stuck_in_a_named_place(worker: timely.Worker) -> None:
+    time.sleep(600)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_timeout_prints_where_each_worker_is_stuck(no_leftovers, capfd, start):
+    with pytest.raises(TimeoutError, match=r"still running after 2(\.0)? s \(their stacks are on standard error\)"):
+        timely.execute(_stuck_in_a_named_place, 2, start=start, timeout=2)
+    err = capfd.readouterr().err
+    for w in range(2):  # each worker's stack under its own line, at the line it is stuck on
+        stacks = err.split(f"timely: worker {w} (pid ")[1].split("timely: worker")[0]
+        assert "in _stuck_in_a_named_place" in stacks, err
+
+
 @pytest.mark.timeout(30)
 def test_one_forked_worker_with_a_timeout_runs_a_closure_in_a_child(no_leftovers):
     def main(worker):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import functools
 import gc
 import hashlib
@@ -175,6 +176,9 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops everyone
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGUSR2 prints every thread's stack to standard error: the supervisor's report of a worker
+    # still running at its timeout (a hang shows where it hangs). SIGUSR1 is the watchdog's.
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     # SIGPIPE stays ignored (Python's default): a socket the worker writes to (the dashboard's, a
     # client that closed its download early) raises BrokenPipeError there instead of killing the
     # worker. Output into a closed pipe (`job | head`) still ends the worker as it ends a Unix tool:
@@ -209,6 +213,24 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
         except BrokenPipeError as exc:
             _end_if_output_closed(exc)
     os._exit(code)  # not the interpreter's teardown: seconds for a large heap, before the parent sees the end
+
+
+#: The signal that makes a worker print its threads' stacks (:func:`_dump_stacks`).
+STACKS_SIGNAL = signal.SIGUSR2
+
+
+def _dump_stacks(procs: dict[int, Any]) -> None:
+    """Have each of ``procs`` (worker index -> process, still running) print its threads' stacks
+    to standard error under a line naming it, one worker after the other (their lines would
+    interleave otherwise)."""
+    for index, proc in procs.items():
+        sys.stderr.write(f"timely: worker {index} (pid {proc.pid}) still running at the timeout; its stacks:\n")
+        sys.stderr.flush()
+        try:
+            os.kill(proc.pid, STACKS_SIGNAL)
+        except (ProcessLookupError, TypeError):
+            continue
+        time.sleep(0.1)
 
 
 def _end_if_output_closed(exc: BaseException) -> None:
@@ -327,7 +349,9 @@ def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequ
         watch = StoppedWorkers(stopped_grace)
         while live:
             if timeout is not None and time.monotonic() - began > timeout:
-                raise TimeoutError(f"workers {sorted(live.values())} still running after {timeout} s")
+                _dump_stacks({i: procs[i] for i in sorted(live.values())})
+                raise TimeoutError(f"workers {sorted(live.values())} still running after {timeout} s "
+                                   "(their stacks are on standard error)")
             for obj in multiprocessing.connection.wait([*conns, *live], timeout=0.2):
                 if obj in conns:
                     _read_report(obj, conns, outcomes)

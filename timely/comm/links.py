@@ -465,10 +465,13 @@ class Links:
 
     def _end_context(self) -> None:
         """Terminate the context once our sockets are closed; its ZAP handler (a socket of the
-        context too) stops first, or the termination would wait for it forever."""
+        context too) stops first, or the termination would wait for it forever. ``destroy`` closes,
+        without lingering, any socket of the context still open (one a failed start-up left
+        behind), which would also make the termination wait forever; the sockets closed before
+        keep their own linger."""
         if self._guard is not None:
             self._guard.stop()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     def __repr__(self) -> str:
         return f"Links(index={self.index}, workers={self._size})"
