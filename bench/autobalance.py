@@ -194,5 +194,6 @@ def main(argv: list[str] | None = None) -> None:
         med = {k: statistics.median(r[k] for r in done if k in r) for k in keys}
         print(f"{mode:7s} " + "  ".join(f"{k}={v:,.1f}" for k, v in med.items()))
 
+
 if __name__ == "__main__":
     main()

@@ -39,6 +39,7 @@ import timely
 from timely import collector
 
 from .columnar import COLUMNAR_QUERIES, event_source, lookup
+from .keyed import replica_table
 from .metrics import INTERVAL, GcPauses, Timeline, rss_bytes
 from .model import Config, Params
 from .openloop import Completions, Schedule, acknowledged, latencies, start_together
@@ -201,9 +202,7 @@ class WorkerRun:
         assert self.control is not None
         self.replica_time = self.stamp
         if self.controller is not None:
-            table, target, peers = self.controller.planned_table, self.targets[0], self.worker.peers
-            self.control.replicate({b: t if t != w else (w + 1) % peers
-                                    for b, (w, t) in enumerate(zip(table, target))})
+            self.control.replicate(replica_table(self.controller.planned_table, self.targets[0], self.worker.peers))
 
     def replay_history(self, round_epochs: int = 20, in_flight: int = 3) -> None:
         """Send the history's events (epochs ``[0, history)``) as fast as the dataflow takes them,
