@@ -101,7 +101,8 @@ class ControlInput:
         the owner copies the bin there as :meth:`precopy` does, then refreshes the copy with the
         changed keys every ``megaphone.precopy.REFRESH`` seconds; a move of the bin to that worker
         ships only what changed since the last staged refresh, with no copy ahead first. The
-        replica ends when its bin moves (to it or elsewhere)."""
+        replica ends when its bin moves (to it or elsewhere), or when a copy or replica of the bin
+        is asked for on another worker."""
         with self._naming("replicate"):
             checked = self._checked(assignment)
         self.handle.send_batch([("replica", b, w) for b, w in sorted(checked.items())])

@@ -28,8 +28,10 @@ time of a data record F is routing (F's data inputs are connected to the copy ed
 refresh starts only once the previous one (or the copy) is staged, so refreshes apply in order and
 at most one is in flight per replica. A move of the bin to ``w`` then ships only the keys reached
 since the newest staged refresh (the refresh in flight's keys too, when it is not staged yet): the
-same delta hand-over, without a copy ahead first. A move elsewhere drops the replica. A fold that
-iterates the bin voids the tracking: the replica is copied again at its next refresh.
+same delta hand-over, without a copy ahead first. A move elsewhere drops the replica; so does a
+copy or replica of the bin requested on another worker (a ``(target, b, None, identity)`` record
+on the copy edge tells the replica's worker to drop what it staged). A fold that iterates the bin
+voids the tracking: the replica is copied again at its next refresh.
 
 Only the row operators' dict state (:class:`~megaphone.bins.BinState`) is pre-copied; a bin of
 fewer than ``min_entries`` entries, or of another state (:func:`megaphone.aggregate`'s Arrow
@@ -245,29 +247,38 @@ class PreCopier:
         self.next_refresh = 0.0  # monotonic time of the next refresh round
         self.copies: dict[int, Copy] = {}
         self.active: set[int] = set()  # bins whose copy or refresh has chunks left to send
+        self.drops: list[tuple[Capability, tuple]] = []  # copies replaced, whose targets must drop them
         self.replicas = 0  # copies that are replicas
 
     @property
     def sending(self) -> bool:
-        """Some copy or refresh has chunks left: :meth:`step` has work."""
-        return bool(self.active)
+        """Some copy or refresh has chunks left, or a drop is owed: :meth:`step` has work."""
+        return bool(self.active or self.drops)
 
     def start(self, b: int, target: int, cap: Capability, replica: bool = False) -> None:
         """Begin copying bin ``b`` to ``target`` (``cap``: at the request's time on the pre-copy
         output); ``replica``: keep the copy as a standby replica, refreshed until the bin moves.
-        Bins this worker does not hold, small bins, and bins already copied move whole."""
+        Bins this worker does not hold and small bins are not copied (they move whole). A bin
+        copied to ``target`` already keeps that copy (which stays on as a replica when ``replica``);
+        a copy or replica of it on another worker is dropped there, and the new one begins."""
         shared = self.shared
         bin_ = shared.bins[b]
         reason = None
         other = self.copies.get(b)
         if target == shared.index or bin_ is None or shared.routing_table()[b] != shared.index:
             reason = "not held here"
-        elif other is not None:
-            reason = f"a replica is on worker {other.target}" if other.replica else "a copy is in flight"
-        elif type(bin_.state) is not BinState:
+        elif other is not None and other.target == target:
+            reason = f"a {'replica' if other.replica else 'copy'} is on worker {target} already"
+            if replica and not other.replica:  # the copy under way stays on as a replica
+                other.replica = True
+                self.replicas += 1
+                reason += " (kept as a replica)"
+        elif not isinstance(bin_.state, BinState):  # (a TrackedState is one: the bin's copy elsewhere tracks it)
             reason = "state is not a dict of rows"
         elif len(bin_.state) < self.min_entries:
             reason = f"small ({len(bin_.state)} entries)"
+        if reason is None and other is not None:  # the copy elsewhere gives way: its target drops it
+            self._replace(other, cap)
         if reason is not None:
             cap.drop()
             if bin_ is not None and target != shared.index:
@@ -276,6 +287,23 @@ class PreCopier:
             return
         assert bin_ is not None
         self._begin(b, target, cap, bin_.state, replica)
+
+    def _replace(self, copy: Copy, cap: Capability) -> None:
+        """End ``copy`` (a copy or replica of its bin elsewhere) for a new one requested at ``cap``'s
+        time: its target is told to drop what it staged (a chunk of it still in flight is ignored
+        there), at that time on the copy edge."""
+        b = copy.b
+        del self.copies[b]
+        self.active.discard(b)
+        self.replicas -= copy.replica
+        self._untrack(copy)
+        for held in (copy.cap, copy.rcap):
+            if held is not None:
+                held.drop()
+        self.drops.append((cap.delayed(cap.time), (copy.target, b, None, (copy.t0, self.shared.index))))
+        self.shared.events.append({"kind": "replica" if copy.replica else "precopy", "time": cap.time, "bins": [b],
+                                   "to": [copy.target], "dropped": "a copy to another worker was requested",
+                                   "worker": self.shared.index})
 
     def _begin(self, b: int, target: int, cap: Capability, state: BinState, replica: bool) -> None:
         self.shared.thaw(b)  # a checkpoint's dump of the bin first (megaphone.checkpoint.BinDump)
@@ -363,6 +391,10 @@ class PreCopier:
         for a CPU: a worker that waits for a core taken by others is not idle), at most
         :data:`MAX_SHARE`. A busy worker copies at :attr:`share`; an idle one up to
         ``MAX_SHARE / share`` times as fast (5x by default), in slices of :attr:`budget` that delay a record by at most that."""
+        for cap, drop in self.drops:  # tiny, and outside the rate limit: the capabilities go soon
+            out.give_batch(cap, [drop])
+            cap.drop()
+        self.drops.clear()
         began = _time.perf_counter()
         if began < self.resume:
             return self.resume - began

@@ -125,7 +125,10 @@ class StateOperator:
         # 0. Copies ahead (megaphone.precopy): staged, not served, until their hand-over.
         for _, batch in copy_in:
             for r in batch:  # (target, bin, payload, copy identity[, keys deleted: a replica's refresh])
-                staging.chunk(r[1], r[2], r[3], r[4] if len(r) > 4 else ())
+                if r[2] is None:  # the copy was replaced by one to another worker
+                    staging.drop(r[1], r[3])
+                else:
+                    staging.chunk(r[1], r[2], r[3], r[4] if len(r) > 4 else ())
         # 1. Install arriving state first (ARCHITECTURE 5.4: installed before any later record of the bin).
         for cap, batch in state_in:
             started = _time.perf_counter()

@@ -87,7 +87,7 @@ def precopy_job(worker, k: int, epochs: list, target=None, steps=None, actions=N
         assert time.monotonic() < deadline, "migration did not complete"
     return {"outputs": job.finish(), "table": list(m.routing_table()), "owned": m.owned_bins(),
             "owned_at_start": owned_at_start,
-            "events": [e for e in m.events if e["kind"] in ("extract", "precopy", "fallback")],
+            "events": [e for e in m.events if e["kind"] in ("extract", "precopy", "fallback", "replica")],
             "steps": [e.as_dict() for e in ctl.events] if ctl else [],
             "replicas_before_move": replicas_before_move, "replicas": m.replicas()}
 

@@ -155,6 +155,84 @@ def check_replica(ops: list, late: list, size: int, records: bool = False) -> in
     return copy.refreshes
 
 
+REPLACE_KINDS = ["write"] * 4 + ["delete", "refresh", "deliver", "deliver", "step", "step"] + ["move"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(REPLACE_KINDS), st.integers(0, 11), st.integers(0, 1000)), max_size=80),
+       late=st.lists(st.integers(0, 1000), max_size=20), size=st.integers(0, 12), replica=st.booleans())
+def test_a_copy_requested_to_another_worker_replaces_the_replica_there(ops, late, size, replica):
+    """Bin 0 on worker 0 has a replica on worker 1 or 2; requests for a copy (``replica``: a
+    replica) to the other worker interleave with writes, refreshes, sends and deliveries in any
+    order. The newest request wins: the bin's hand-over to its target installs exactly the owner's
+    state, and the worker it left staged nothing of it once every chunk in flight has arrived."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pc, "MAX_DELTA_FRACTION", float("inf"))
+        owner = Shared("model", 1, 0, 3)
+        state = owner.bins[0].state
+        for key in range(size):
+            state[key] = [key]
+        edge = Edge()
+        f = PreCopier(owner, chunk=3, budget=0.0, min_entries=0, share=1.0, refresh=0.0)
+        holders = {w: Staging(Shared("model", 1, w, 3)) for w in (1, 2)}
+        clock, target = 1, 1
+        f.start(0, target, Cap(edge, clock), replica=True)
+
+        def deliver(i: int) -> None:
+            _, r = edge.flight.pop(i % len(edge.flight))
+            if r[2] is None:
+                holders[r[0]].drop(r[1], r[3])
+            else:
+                holders[r[0]].chunk(r[1], r[2], r[3], r[4] if len(r) > 4 else ())
+
+        def step() -> None:
+            f.resume = 0.0
+            f.step(edge)
+
+        for op, key, v in ops:
+            if op == "write":
+                state[key] = [v]
+            elif op == "delete":
+                state.pop(key, None)
+            elif op == "refresh" and f.refresh_due():
+                clock += 1
+                f.refresh(Cap(edge, clock), edge.delivered)
+            elif op == "step" and f.sending:
+                step()
+            elif op == "deliver" and edge.flight:
+                deliver(v)
+            elif op == "move":  # to the other worker; the same one again is a no-op
+                clock += 1
+                target = 3 - target if v % 2 else target
+                f.start(0, target, Cap(edge, clock), replica=replica)
+                assert f.copies[0].target == target
+        while f.sending:
+            step()
+        while edge.flight:  # every copy staged: the hand-over ships a delta
+            deliver(0)
+        delta, copy, why = f.hand_over(0, owner.bins[0], target, edge.delivered)
+        assert copy is not None and copy.target == target and delta is not None, why
+        installed, _, _ = holders[target].install(0, delta, (copy.t0, 0))
+        assert installed == dict(state)
+        assert holders[3 - target].staged == {}
+        assert edge.caps == [] and not f.sending and f.replicas == 0
+
+
+def test_a_copy_to_the_replicas_worker_keeps_the_replica():
+    owner = Shared("model", 1, 0, 2)
+    for key in range(10):
+        owner.bins[0].state[key] = key
+    edge = Edge()
+    f = PreCopier(owner, chunk=3, budget=0.0, min_entries=0, share=1.0, refresh=0.0)
+    f.start(0, 1, Cap(edge, 1))
+    f.start(0, 1, Cap(edge, 2), replica=True)  # the copy under way becomes a replica
+    f.start(0, 1, Cap(edge, 3))
+    assert f.replicas == 1 and f.copies[0].replica and f.copies[0].t0 == 1
+    assert [e["skipped"] for e in owner.events] == [
+        "a copy is on worker 1 already (kept as a replica)", "a replica is on worker 1 already"]
+    assert [c.time for c in edge.caps] == [1]
+
+
 def test_replicas_are_checked_and_reported():
     def main(worker):
         with worker.dataflow() as scope:
@@ -172,14 +250,17 @@ def test_replicas_are_checked_and_reported():
 @given(seed=st.integers(0, 2**16), fuzz=st.one_of(st.none(), st.integers(0, 2**16)))
 def test_moves_onto_replicas_ship_deltas_and_equal_the_sequential_count(seed, fuzz):
     """3 workers, bin b on worker b % 3, 8 bins of 100 keys. At epoch 2 bins 0-5 get a replica on
-    the next worker; records keep changing them; at epoch 20 bins 0-4 move to their replica's
+    the next worker; records keep changing them; at epoch 8 bin 4's replica is asked for on the
+    other worker instead (the first one is dropped); at epoch 20 bins 0-4 move to their replica's
     worker and bin 5 to another one (its replica is dropped), by plain moves."""
     k = 3
     rng = random.Random(seed)
     epochs = [preload(800)] + [[(rng.randrange(800), 1) for _ in range(20)] for _ in range(30)]
     replicas = {b: (b + 1) % 3 for b in range(6)}
+    actions = {2: [("replicate", dict(replicas))], 8: [("replicate", {4: (4 + 2) % 3})]}
+    replicas[4] = (4 + 2) % 3
     moves = {b: w for b, w in replicas.items() if b != 5} | {5: (5 + 2) % 3}
-    actions = {2: [("replicate", replicas)], 20: [("moves", moves)]}
+    actions[20] = [("moves", moves)]
     results = timely.execute(functools.partial(precopy_job, k=k, epochs=epochs, actions=actions,
                                                tunables=(0, 16, 0.0, 1.0), refresh=0.0),
                              workers=3, fuzz=fuzz, timeout=240)
@@ -193,6 +274,7 @@ def test_moves_onto_replicas_ship_deltas_and_equal_the_sequential_count(seed, fu
     deltas = sum(e["modes"].get("delta", 0) for e in events if e["kind"] == "extract")
     assert sorted(b for e in events if e["kind"] == "extract" for b in e["bins"]) == sorted(moves)
     assert fallbacks.pop(5) == f"the copy went to worker {replicas[5]}"
+    assert [(e["bins"], e["to"]) for e in events if e.get("dropped")] == [([4], [(4 + 1) % 3])]
     if fuzz is None:  # 18 epochs of refreshes: every replica is staged by the move
         assert deltas == 5 and fallbacks == {}
         assert all(r["replicas_before_move"] for r in results)
