@@ -52,9 +52,10 @@ from __future__ import annotations
 import pickle
 import time as _time
 from collections.abc import Callable
-from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any
+
+from timely.routing import gather
 
 from .bins import Bin, BinState, MegaphoneError, Shared
 
@@ -366,7 +367,8 @@ class PreCopier:
                 continue
             self._track(copy, set())  # the refresh's snapshot: changes from now on are the next one's
             copy.before = reached
-            copy.rkeys = iter(list(reached))
+            # One chunk: the set itself (it is never changed again); more: an iterator over its keys.
+            copy.rkeys = reached if len(reached) <= self.chunk else iter(list(reached))
             copy.rleft = len(reached)
             copy.rcap = cap.delayed(cap.time)
             copy.gen = cap.time
@@ -439,14 +441,10 @@ class PreCopier:
             elif copy.rcap is not None:
                 # A refresh: the keys' values now (newer than its snapshot is fine: a key changed
                 # since is tracked for the next refresh, and sent again), deletions by name.
-                state = copy.state
-                value = partial(dict.__getitem__, state)  # not TrackedState's: reading reaches nothing
                 while copy.rleft > 0:
-                    keys = list(islice(copy.rkeys, self.chunk))
+                    keys = copy.rkeys if type(copy.rkeys) is set else list(islice(copy.rkeys, self.chunk))
                     copy.rleft -= len(keys)
-                    present = dict.keys(state) & keys  # at C speed, as the rest of the chunk
-                    part = dict(zip(present, map(value, present)))
-                    deleted = list(set(keys) - present) if len(present) < len(keys) else []
+                    part, deleted = gather(copy.state, keys)  # one lookup a key, not TrackedState's: reaches nothing
                     payload = codec.pack(part, [])
                     out.give_batch(copy.rcap, [(copy.target, copy.b, payload, (copy.t0, me), deleted)])
                     copy.rentries += len(keys)
@@ -491,8 +489,7 @@ class PreCopier:
             return None, copy, "the fold iterated over the bin"
         if len(reached) > MAX_DELTA_FRACTION * max(len(state), 1):
             return None, copy, f"{len(reached)} of {len(state)} keys changed during the copy"
-        updates = {k: dict.__getitem__(state, k) for k in reached if k in state}
-        deleted = [k for k in reached if k not in state]
+        updates, deleted = gather(state, reached)
         return pickle.dumps((updates, deleted, bin_.pending_timers()), protocol=pickle.HIGHEST_PROTOCOL), copy, ""
 
 

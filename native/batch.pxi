@@ -277,3 +277,25 @@ def add_keys(bins: list, records: Sequence, tracked: dict) -> None:
         s = tracked.get(bins[i])
         if s is not None:
             (<set?>s).add(seq[i][0])
+
+
+from cpython.dict cimport PyDict_GetItemWithError
+from cpython.ref cimport PyObject
+
+
+def gather(state, keys) -> tuple:
+    """The entries of ``state`` for ``keys`` (any iterable of keys) as a dict, and the keys that
+    ``state`` lacks as a list: one lookup per key, read as a plain dict (a subclass's
+    ``__getitem__`` is not called). ``megaphone.precopy`` ships a bin's changed keys with it."""
+    cdef dict found = {}
+    cdef list absent = []
+    cdef PyObject *v
+    if not isinstance(state, dict):
+        raise TypeError(f"gather: expected a dict, not {type(state).__name__}")
+    for k in keys:
+        v = PyDict_GetItemWithError(state, k)
+        if v is NULL:
+            absent.append(k)
+        else:
+            found[k] = <object>v
+    return found, absent

@@ -499,3 +499,23 @@ def test_add_keys_matches_oracle(pairs, tracked_bins):
     assert tracked == expected
     with pytest.raises(ValueError, match="2 bins for 1 records"):
         H.add_keys([0, 1], [(1, 2)], tracked)
+
+
+class _Reaching(dict):
+    """A dict whose item reads are seen (as megaphone.precopy's TrackedState's are)."""
+
+    def __getitem__(self, key):
+        raise AssertionError("gather must read as a plain dict")
+
+
+@settings(max_examples=100)
+@given(st.dictionaries(st.one_of(st.integers(-20, 20), st.text(max_size=2)), st.integers()),
+       st.lists(st.one_of(st.integers(-30, 30), st.text(max_size=2))), st.booleans())
+def test_gather_matches_oracle(state, keys, subclass):
+    found, absent = H.gather(_Reaching(state) if subclass else state, iter(keys))
+    assert found == {k: state[k] for k in keys if k in state}
+    assert absent == [k for k in keys if k not in state]
+    with pytest.raises(TypeError, match="expected a dict, not list"):
+        H.gather([], keys)
+    with pytest.raises(TypeError, match="unhashable"):
+        H.gather(state, [[1]])

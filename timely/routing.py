@@ -2,7 +2,7 @@
 
 ``hash64`` is the hash every worker agrees on; ``partition``, ``bins_of`` and ``route_bins`` route
 whole batches with it (``native/hashing.pyx`` defines all four exactly); ``add_keys`` collects the
-keys of a batch's records per bin.
+keys of a batch's records per bin, and ``gather`` reads a dict's entries for a set of keys.
 """
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import msgpack
 
-from ._native.hashing import add_keys, bins_of, hash64, partition, route_bins
+from ._native.hashing import add_keys, bins_of, gather, hash64, partition, route_bins
 
-__all__ = ["add_keys", "bins_of", "hash64", "partition", "route_bins", "serialisable"]
+__all__ = ["add_keys", "bins_of", "gather", "hash64", "partition", "route_bins", "serialisable"]
 
 
 def serialisable(record: Any) -> bool:
