@@ -195,7 +195,7 @@ class Copy:
     """One bin being (or done being) copied ahead to ``target``; a standby replica when ``replica``."""
 
     __slots__ = ("b", "target", "cap", "t0", "state", "items", "left", "entries", "nbytes", "seconds", "began",
-                 "replica", "gen", "before", "rcap", "rkeys", "rleft", "refreshes", "rentries", "rbytes")
+                 "replica", "gen", "before", "refreshing", "rkeys", "rleft", "refreshes", "rentries", "rbytes")
 
     def __init__(self, b: int, target: int, cap: Capability, state: BinState, replica: bool = False) -> None:
         self.b = b
@@ -215,11 +215,11 @@ class Copy:
         self.replica = replica
         # A replica's refreshes. `gen`: the time of the newest refresh sent (t0 before the first);
         # `before`: the keys it carries (reached between the previous refresh's snapshot and its
-        # own), still owed to the target while it is not staged; `rcap`/`rkeys`/`rleft`: the
-        # refresh being sent (its capability and the keys left).
+        # own), still owed to the target while it is not staged; `refreshing`/`rkeys`/`rleft`: the
+        # refresh being sent, under its round's capability (PreCopier.round), and the keys left.
         self.gen = self.t0
         self.before: set = set()
-        self.rcap: Capability | None = None
+        self.refreshing = False
         self.rkeys: Any = None
         self.rleft = 0
         self.refreshes = 0
@@ -250,11 +250,16 @@ class PreCopier:
         self.active: set[int] = set()  # bins whose copy or refresh has chunks left to send
         self.drops: list[tuple[Capability, tuple]] = []  # copies replaced, whose targets must drop them
         self.replicas = 0  # copies that are replicas
+        # The refresh round being sent: its capability (at a data time, on the copy edge), the
+        # replicas it has still to visit (last first), and the `copied` probe's test.
+        self.round: Capability | None = None
+        self.round_bins: list[int] = []
+        self.delivered: Callable[[Any], bool] = lambda t: False
 
     @property
     def sending(self) -> bool:
-        """Some copy or refresh has chunks left, or a drop is owed: :meth:`step` has work."""
-        return bool(self.active or self.drops)
+        """Some copy or refresh round has chunks left, or a drop is owed: :meth:`step` has work."""
+        return bool(self.active or self.drops or self.round is not None)
 
     def start(self, b: int, target: int, cap: Capability, replica: bool = False) -> None:
         """Begin copying bin ``b`` to ``target`` (``cap``: at the request's time on the pre-copy
@@ -298,9 +303,9 @@ class PreCopier:
         self.active.discard(b)
         self.replicas -= copy.replica
         self._untrack(copy)
-        for held in (copy.cap, copy.rcap):
-            if held is not None:
-                held.drop()
+        if copy.cap is not None:
+            copy.cap.drop()
+        self._end_round_without_replicas()
         self.drops.append((cap.delayed(cap.time), (copy.target, b, None, (copy.t0, self.shared.index))))
         self.shared.events.append({"kind": "replica" if copy.replica else "precopy", "time": cap.time, "bins": [b],
                                    "to": [copy.target], "dropped": "a copy to another worker was requested",
@@ -346,34 +351,80 @@ class PreCopier:
         return self.replicas > 0 and _time.monotonic() >= self.next_refresh
 
     def refresh(self, cap: Capability, delivered: Callable[[Any], bool]) -> None:
-        """Start a refresh of every replica whose previous refresh (or copy) is staged
-        (``delivered(time)``) and whose bin changed since, at ``cap``'s time (on the copy edge;
-        dropped here). A replica whose tracking was voided (the fold iterated the bin) is copied
-        again instead."""
+        """Start a refresh round at ``cap``'s time (a data time, on the copy edge; kept until the
+        round is sent): :meth:`step` then visits the replicas one by one, paced as the copies are,
+        and refreshes each whose previous refresh (or copy) is staged (``delivered(time)``) and
+        whose bin changed since. A replica whose tracking was voided (the fold iterated the bin)
+        is copied again instead. A round still being sent makes this one skipped (``cap`` dropped)."""
         self.next_refresh = _time.monotonic() + self.refresh_every
-        for b, copy in list(self.copies.items()):
-            if not copy.replica or not copy.done or copy.rcap is not None or not delivered(copy.gen):
-                continue
-            if id(copy.state) in _overflow:  # the tracking is void: a new copy, which replaces the staged one
-                self._untrack(copy)
-                del self.copies[b]
-                self.replicas -= 1
-                self.shared.events.append({"kind": "replica", "time": cap.time, "bins": [b], "to": [copy.target],
-                                           "recopy": "the fold iterated over the bin", "worker": self.shared.index})
-                self._begin(b, copy.target, cap.delayed(cap.time), copy.state, True)
-                continue
-            reached = self._reached(copy)
-            if not reached:
-                continue
-            self._track(copy, set())  # the refresh's snapshot: changes from now on are the next one's
-            copy.before = reached
-            # One chunk: the set itself (it is never changed again); more: an iterator over its keys.
-            copy.rkeys = reached if len(reached) <= self.chunk else iter(list(reached))
-            copy.rleft = len(reached)
-            copy.rcap = cap.delayed(cap.time)
-            copy.gen = cap.time
-            self.active.add(b)
-        cap.drop()
+        self.delivered = delivered
+        if self.round is not None:
+            cap.drop()
+            return
+        self.round = cap
+        self.round_bins = sorted((b for b, c in self.copies.items() if c.replica), reverse=True)
+
+    def _visit(self, b: int, out: OperatorOutput, began: float) -> bool:
+        """Refresh replica ``b`` in the current round if it is due; False once the slice's time is up."""
+        round_ = self.round
+        assert round_ is not None
+        copy = self.copies.get(b)
+        if copy is None or not copy.replica or not copy.done or copy.refreshing or not self.delivered(copy.gen):
+            return True
+        if id(copy.state) in _overflow:  # the tracking is void: a new copy, which replaces the staged one
+            self._untrack(copy)
+            del self.copies[b]
+            self.replicas -= 1
+            self.shared.events.append({"kind": "replica", "time": round_.time, "bins": [b], "to": [copy.target],
+                                       "recopy": "the fold iterated over the bin", "worker": self.shared.index})
+            self._begin(b, copy.target, round_.delayed(round_.time), copy.state, True)
+            return True
+        reached = self._reached(copy)
+        if not reached:
+            return True
+        self._track(copy, set())  # the refresh's snapshot: changes from now on are the next one's
+        copy.before = reached
+        # One chunk: the set itself (it is never changed again); more: an iterator over its keys.
+        copy.rkeys = reached if len(reached) <= self.chunk else iter(list(reached))
+        copy.rleft = len(reached)
+        copy.gen = round_.time
+        copy.refreshing = True
+        self.active.add(b)
+        return self._refresh_chunks(copy, out, began)
+
+    def _refresh_chunks(self, copy: Copy, out: OperatorOutput, began: float) -> bool:
+        """Send ``copy``'s refresh chunks: the keys' values now (newer than its snapshot is fine:
+        a key changed since is tracked for the next refresh, and sent again), deletions by name.
+        False once the slice's time is up."""
+        codec = self.shared.codec
+        assert self.round is not None  # (a round ends only once none of its refreshes has chunks left)
+        while copy.rleft > 0:
+            keys = copy.rkeys if type(copy.rkeys) is set else list(islice(copy.rkeys, self.chunk))
+            copy.rleft -= len(keys)
+            part, deleted = gather(copy.state, keys)  # one lookup a key, not TrackedState's: reaches nothing
+            payload = codec.pack(part, [])
+            out.give_batch(self.round, [(copy.target, copy.b, payload, (copy.t0, self.shared.index), deleted)])
+            copy.rentries += len(keys)
+            copy.rbytes += codec.nbytes(payload)
+            if _time.perf_counter() - began > self.budget:
+                if copy.rleft == 0:
+                    self._refreshed(copy)
+                return False
+        self._refreshed(copy)
+        return True
+
+    def _refreshed(self, copy: Copy) -> None:
+        copy.refreshing = False
+        copy.rkeys = None
+        copy.refreshes += 1
+        self.active.discard(copy.b)
+
+    def _end_round_without_replicas(self) -> None:
+        """A round with no replica left to visit ends now (its capability with it)."""
+        if self.round is not None and self.replicas == 0 and not any(c.refreshing for c in self.copies.values()):
+            self.round.drop()
+            self.round = None
+            self.round_bins = []
 
     def replica_status(self) -> dict[int, dict[str, Any]]:
         """The standby replicas of bins held here: ``{bin: {"worker", "staged", "refreshes",
@@ -438,25 +489,20 @@ class PreCopier:
                                            "entries": copy.entries, "bytes": copy.nbytes, "seconds": copy.seconds,
                                            "wall": _time.monotonic() - copy.began, "worker": me,
                                            "replica": copy.replica})
-            elif copy.rcap is not None:
-                # A refresh: the keys' values now (newer than its snapshot is fine: a key changed
-                # since is tracked for the next refresh, and sent again), deletions by name.
-                while copy.rleft > 0:
-                    keys = copy.rkeys if type(copy.rkeys) is set else list(islice(copy.rkeys, self.chunk))
-                    copy.rleft -= len(keys)
-                    part, deleted = gather(copy.state, keys)  # one lookup a key, not TrackedState's: reaches nothing
-                    payload = codec.pack(part, [])
-                    out.give_batch(copy.rcap, [(copy.target, copy.b, payload, (copy.t0, me), deleted)])
-                    copy.rentries += len(keys)
-                    copy.rbytes += codec.nbytes(payload)
-                    if _time.perf_counter() - began > self.budget:
-                        return 0.0
-                copy.rcap.drop()
-                copy.rcap = None
-                copy.rkeys = None
-                copy.refreshes += 1
+            elif copy.refreshing:
+                if not self._refresh_chunks(copy, out, began):
+                    return 0.0
+                continue
             self.active.discard(b)
-        return None
+        # The refresh round: the replicas not visited yet, as the slice's time allows.
+        while self.round is not None:
+            if not self.round_bins:
+                self.round.drop()
+                self.round = None
+                break
+            if not self._visit(self.round_bins.pop(), out, began) or _time.perf_counter() - began > self.budget:
+                return 0.0
+        return 0.0 if self.active else None  # (a replica copied again, in the round, has chunks left)
 
     def hand_over(self, b: int, bin_: Bin, target: int,
                   delivered: Callable[[Any], bool]) -> tuple[bytes | None, Copy | None, str]:
@@ -476,9 +522,8 @@ class PreCopier:
             copy.cap = None
         if copy.gen != copy.t0 and not delivered(copy.gen):
             reached |= copy.before  # a refresh not staged yet: its keys are owed too
-        if copy.rcap is not None:
-            copy.rcap.drop()
-            copy.rcap = None
+        copy.refreshing = False
+        self._end_round_without_replicas()
         if copy.target != target:
             return None, copy, f"the copy went to worker {copy.target}"
         if not done:
