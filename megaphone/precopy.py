@@ -24,7 +24,9 @@ the move in two (Rhino's hand-over; Kafka Streams' warm-up replicas):
 **Standby replicas.** A control record ``("replica", b, w)`` starts the same copy, but it stays:
 once staged, the owner keeps tracking the bin and, every :data:`REFRESH` seconds, sends the
 current values (or deletions) of the keys reached since the previous refresh, a *refresh*, at the
-time of a data record F is routing (F's data inputs are connected to the copy edge for that). A
+time of a data record F is routing (F's data inputs are connected to the copy edge for that). The
+refreshes of one interval form a *round* under one capability: :meth:`PreCopier.step` visits the
+replicas one by one within the copies' time slices, so no activation does a whole round. A
 refresh starts only once the previous one (or the copy) is staged, so refreshes apply in order and
 at most one is in flight per replica. A move of the bin to ``w`` then ships only the keys reached
 since the newest staged refresh (the refresh in flight's keys too, when it is not staged yet): the
