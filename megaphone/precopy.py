@@ -31,8 +31,10 @@ refresh starts only once the previous one (or the copy) is staged, so refreshes 
 at most one is in flight per replica. A move of the bin to ``w`` then ships only the keys reached
 since the newest staged refresh (the refresh in flight's keys too, when it is not staged yet): the
 same delta hand-over, without a copy ahead first. A move elsewhere drops the replica; so does a
-copy or replica of the bin requested on another worker (a ``(target, b, None, identity)`` record
-on the copy edge tells the replica's worker to drop what it staged). A fold that iterates the bin
+copy or replica of the bin requested on another worker (a ``(target, b, None, identity, sent)``
+record on the copy edge tells the replica's worker to drop what it staged). The record that ends
+a copy (a delta, or a drop) says how many chunks it sent: its target ignores the ones still in
+flight, then forgets the copy once the last has come, so nothing is kept per ended copy. A fold that iterates the bin
 voids the tracking: the replica is copied again at its next refresh.
 
 Only the row operators' dict state (:class:`~megaphone.bins.BinState`) is pre-copied; a bin of
@@ -197,7 +199,7 @@ class Copy:
     """One bin being (or done being) copied ahead to ``target``; a standby replica when ``replica``."""
 
     __slots__ = ("b", "target", "cap", "t0", "state", "items", "left", "entries", "nbytes", "seconds", "began",
-                 "replica", "gen", "before", "refreshing", "rkeys", "rleft", "refreshes", "rentries", "rbytes")
+                 "replica", "gen", "before", "refreshing", "rkeys", "rleft", "refreshes", "rentries", "rbytes", "sent")
 
     def __init__(self, b: int, target: int, cap: Capability, state: BinState, replica: bool = False) -> None:
         self.b = b
@@ -223,6 +225,7 @@ class Copy:
         self.before: set = set()
         self.refreshing = False
         self.rkeys: Any = None
+        self.sent = 0  # chunks sent, the copy's and its refreshes' (the end's record says how many)
         self.rleft = 0
         self.refreshes = 0
         self.rentries = 0
@@ -308,7 +311,7 @@ class PreCopier:
         if copy.cap is not None:
             copy.cap.drop()
         self._end_round_without_replicas()
-        self.drops.append((cap.delayed(cap.time), (copy.target, b, None, (copy.t0, self.shared.index))))
+        self.drops.append((cap.delayed(cap.time), (copy.target, b, None, (copy.t0, self.shared.index), copy.sent)))
         self.shared.events.append({"kind": "replica" if copy.replica else "precopy", "time": cap.time, "bins": [b],
                                    "to": [copy.target], "dropped": "a copy to another worker was requested",
                                    "worker": self.shared.index})
@@ -377,6 +380,7 @@ class PreCopier:
             self._untrack(copy)
             del self.copies[b]
             self.replicas -= 1
+            out.give_batch(round_, [(copy.target, b, None, (copy.t0, self.shared.index), copy.sent)])  # the old one ends
             self.shared.events.append({"kind": "replica", "time": round_.time, "bins": [b], "to": [copy.target],
                                        "recopy": "the fold iterated over the bin", "worker": self.shared.index})
             self._begin(b, copy.target, round_.delayed(round_.time), copy.state, True)
@@ -406,6 +410,7 @@ class PreCopier:
             part, deleted = gather(copy.state, keys)  # one lookup a key, not TrackedState's: reaches nothing
             payload = codec.pack(part, [])
             out.give_batch(self.round, [(copy.target, copy.b, payload, (copy.t0, self.shared.index), deleted)])
+            copy.sent += 1
             copy.rentries += len(keys)
             copy.rbytes += codec.nbytes(payload)
             if _time.perf_counter() - began > self.budget:
@@ -479,6 +484,7 @@ class PreCopier:
                     copy.left -= len(part)
                     payload = codec.pack(part, [])
                     out.give_batch(copy.cap, [(copy.target, copy.b, payload, (copy.t0, me))])
+                    copy.sent += 1
                     copy.entries += len(part)
                     copy.nbytes += codec.nbytes(payload)
                     copy.seconds += _time.perf_counter() - t
@@ -546,16 +552,25 @@ class Staging:
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
         self.staged: dict[int, tuple[Any, BinState]] = {}  # bin -> (copy's t0 and source, state so far)
-        # (bin, copy) dropped or installed: later chunks are ignored. Per bin: the copies of several
-        # bins requested at one time from one worker share their identity.
-        self.dropped: set[tuple[int, tuple[Any, int]]] = set()
+        # Per (bin, copy): the chunks received so far, of copies not ended or ended with chunks
+        # still in flight. Per bin: the copies of several bins requested at one time from one
+        # worker share their identity.
+        self.received: dict[tuple[int, tuple[Any, int]], int] = {}
+        # (bin, copy) installed or dropped with chunks still in flight: how many it sent in all.
+        # Its later chunks are ignored; it is forgotten once they have all come.
+        self.ended: dict[tuple[int, tuple[Any, int]], int] = {}
 
     def chunk(self, b: int, payload: Any, ident: tuple[Any, int], deleted: Any = ()) -> None:
         """Stage one chunk of the copy ``ident`` (its time and source worker) of bin ``b``: entries,
         and for a replica's refresh the keys ``deleted`` since. A chunk of a copy already installed
         or dropped is ignored (a refresh not yet staged at its hand-over may arrive after it)."""
         ident = tuple(ident)  # a list after crossing processes
-        if (b, ident) in self.dropped:
+        key = (b, ident)
+        n = self.received[key] = self.received.get(key, 0) + 1
+        sent = self.ended.get(key)
+        if sent is not None:
+            if n >= sent:  # the last chunk in flight: nothing more of this copy can come
+                del self.ended[key], self.received[key]
             return
         entry = self.staged.get(b)
         if entry is None or entry[0] != ident:
@@ -566,27 +581,36 @@ class Staging:
         for k in deleted:
             state.pop(k, None)
 
-    def drop(self, b: int, ident: tuple[Any, int]) -> None:
-        """The copy ``ident`` of bin ``b`` will not be used (the bin moved whole)."""
+    def _end(self, b: int, ident: tuple[Any, int], sent: int) -> None:
+        """The copy ``ident`` of bin ``b`` ended after sending ``sent`` chunks."""
+        key = (b, ident)
+        if self.received.get(key, 0) >= sent:
+            self.received.pop(key, None)
+        else:
+            self.ended[key] = sent
+
+    def drop(self, b: int, ident: tuple[Any, int], sent: int) -> None:
+        """The copy ``ident`` of bin ``b``, of ``sent`` chunks, will not be used (the bin moved
+        whole, or a copy elsewhere replaced it)."""
         ident = tuple(ident)
         entry = self.staged.get(b)
         if entry is not None and entry[0] == ident:
             del self.staged[b]
-        self.dropped.add((b, ident))
+        self._end(b, ident, sent)
 
     def discard(self, b: int) -> None:
         """Bin ``b`` arrived whole: any copy staged for it is stale."""
         self.staged.pop(b, None)
 
-    def install(self, b: int, payload: bytes, ident: tuple[Any, int]) -> tuple[BinState, list, int]:
-        """The state of bin ``b``: its staged copy with the delta ``payload`` applied; its timers;
-        the entries the delta carried."""
+    def install(self, b: int, payload: bytes, ident: tuple[Any, int], sent: int) -> tuple[BinState, list, int]:
+        """The state of bin ``b``: its staged copy (of ``sent`` chunks) with the delta ``payload``
+        applied; its timers; the entries the delta carried."""
         ident = tuple(ident)
         entry = self.staged.pop(b, None)
         if entry is None or entry[0] != ident:
             raise MegaphoneError(f"'{self.shared.name}': worker {self.shared.index} got the hand-over of bin {b} "
                                  f"without its copy ahead {ident!r}")
-        self.dropped.add((b, ident))  # a refresh still in flight must not reach the installed bin
+        self._end(b, ident, sent)  # a refresh still in flight must not reach the installed bin
         state = entry[1]
         updates, deleted, timers = pickle.loads(payload)
         state.update(updates)

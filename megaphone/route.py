@@ -138,11 +138,11 @@ class RoutingOperator:
                 ident = (copy.t0, me)
                 ahead += copy.nbytes
                 if delta is not None:  # only what changed since the copy ahead (megaphone.precopy)
-                    state_out.give_batch(cap, [(new[b], b, delta, "delta", ident)])
+                    state_out.give_batch(cap, [(new[b], b, delta, "delta", ident, copy.sent)])
                     nbytes += len(delta)
                     modes["delta"] = modes.get("delta", 0) + 1
                     continue
-                state_out.give_batch(cap, [(copy.target, b, None, "drop", ident)])
+                state_out.give_batch(cap, [(copy.target, b, None, "drop", ident, copy.sent)])
                 modes["fallback"] = modes.get("fallback", 0) + 1
                 shared.events.append({"kind": "fallback", "time": t, "bins": [b], "reason": why, "worker": me})
             modes["whole"] = modes.get("whole", 0) + 1

@@ -125,8 +125,8 @@ class StateOperator:
         # 0. Copies ahead (megaphone.precopy): staged, not served, until their hand-over.
         for _, batch in copy_in:
             for r in batch:  # (target, bin, payload, copy identity[, keys deleted: a replica's refresh])
-                if r[2] is None:  # the copy was replaced by one to another worker
-                    staging.drop(r[1], r[3])
+                if r[2] is None:  # the copy was replaced by one to another worker: (..., chunks it sent)
+                    staging.drop(r[1], r[3], r[4])
                 else:
                     staging.chunk(r[1], r[2], r[3], r[4] if len(r) > 4 else ())
         # 1. Install arriving state first (ARCHITECTURE 5.4: installed before any later record of the bin).
@@ -137,14 +137,14 @@ class StateOperator:
             codec = shared.codec
             for record in batch:
                 b = record[1]
-                if len(record) == 5:  # a copy ahead's hand-over: ("delta" | "drop", its identity)
+                if len(record) == 6:  # a copy ahead's hand-over: ("delta" | "drop", its identity, chunks sent)
                     if record[3] == "drop":
-                        staging.drop(b, record[4])
+                        staging.drop(b, record[4], record[5])
                         continue
                     if shared.bins[b] is not None:
                         raise MegaphoneError(f"'{shared.name}': worker {shared.index} got the hand-over of bin {b}, "
                                              "which it holds already")
-                    state, timers, n = staging.install(b, record[2], record[4])
+                    state, timers, n = staging.install(b, record[2], record[4], record[5])
                     bin_ = shared.bins[b] = Bin(state)
                     nbytes += len(record[2])
                     entries += n

@@ -109,7 +109,10 @@ def check_replica(ops: list, late: list, size: int, records: bool = False) -> in
 
     def deliver(i: int) -> None:
         _, r = edge.flight.pop(i % len(edge.flight))
-        s.chunk(r[1], r[2], r[3], r[4] if len(r) > 4 else ())
+        if r[2] is None:  # the copy ended: copied again (the fold iterated the bin)
+            s.drop(r[1], r[3], r[4])
+        else:
+            s.chunk(r[1], r[2], r[3], r[4] if len(r) > 4 else ())
 
     while f.sending:  # the first copy, sent and staged: the refreshes are what is checked
         f.resume = 0.0
@@ -146,12 +149,15 @@ def check_replica(ops: list, late: list, size: int, records: bool = False) -> in
     if delta is None:  # only where the copy could not be used
         assert why in ("the copy was not done", "the copy was not staged yet", "the fold iterated over the bin"), why
         return None
-    installed, timers, _ = s.install(0, delta, (copy.t0, 0))
+    installed, timers, _ = s.install(0, delta, (copy.t0, 0), copy.sent)
     assert installed == dict(state) and timers == []
     for i in late:  # a refresh in flight at the hand-over arrives after it: ignored
         if edge.flight:
             deliver(i)
     assert installed == dict(state) and 0 not in s.staged
+    while edge.flight:
+        deliver(0)
+    assert s.received == {} and s.ended == {}  # the copy is forgotten once its last chunk came
     return copy.refreshes
 
 
@@ -181,7 +187,7 @@ def test_a_copy_requested_to_another_worker_replaces_the_replica_there(ops, late
         def deliver(i: int) -> None:
             _, r = edge.flight.pop(i % len(edge.flight))
             if r[2] is None:
-                holders[r[0]].drop(r[1], r[3])
+                holders[r[0]].drop(r[1], r[3], r[4])
             else:
                 holders[r[0]].chunk(r[1], r[2], r[3], r[4] if len(r) > 4 else ())
 
@@ -212,9 +218,10 @@ def test_a_copy_requested_to_another_worker_replaces_the_replica_there(ops, late
             deliver(0)
         delta, copy, why = f.hand_over(0, owner.bins[0], target, edge.delivered)
         assert copy is not None and copy.target == target and delta is not None, why
-        installed, _, _ = holders[target].install(0, delta, (copy.t0, 0))
+        installed, _, _ = holders[target].install(0, delta, (copy.t0, 0), copy.sent)
         assert installed == dict(state)
         assert holders[3 - target].staged == {}
+        assert all(h.received == {} and h.ended == {} for h in holders.values())  # nothing kept per ended copy
         assert edge.caps == [] and not f.sending and f.replicas == 0
 
 
@@ -294,14 +301,17 @@ def test_installing_one_bins_copy_keeps_the_copies_of_others_with_the_same_ident
     ident = (5, 0)  # bins 0 and 2, copied from worker 0 at time 5
     s.chunk(0, codec.pack({1: "a"}, []), ident)
     s.chunk(2, codec.pack({2: "b"}, []), ident)
-    state, _, _ = s.install(0, pickle.dumps(({}, [], [])), ident)
+    state, _, _ = s.install(0, pickle.dumps(({}, [], [])), ident, 2)  # bin 0's copy sent 2 chunks
     assert state == {1: "a"}
     s.chunk(2, codec.pack({3: "c"}, []), ident, [2])  # a refresh of bin 2: still staged
     s.chunk(0, codec.pack({1: "z"}, []), ident)  # a late refresh of bin 0: ignored
     assert 0 not in s.staged and s.staged[2] == (ident, {3: "c"})
-    s.drop(2, ident)
+    assert (0, ident) not in s.received  # its last chunk came: forgotten
+    s.drop(2, ident, 4)
     s.chunk(2, codec.pack({4: "d"}, []), ident)
-    assert s.staged == {}
+    assert s.staged == {} and s.ended == {(2, ident): 4}
+    s.chunk(2, codec.pack({5: "e"}, []), ident)
+    assert s.staged == {} and s.ended == {} and s.received == {}
 
 
 def replicas_then_rebalance_job(worker, k: int, epochs: list, target: list, start_at: int):
