@@ -148,12 +148,15 @@ def expected_counts(epochs: int) -> dict[int, list]:
 
 def read_moves(epochs: int):
     """Megaphone's control input: worker 0 moves a bin every third epoch, copied ahead (precopy) in
-    the epoch before."""
+    the epoch before, and asks for a standby replica of another bin in the epoch after (refreshed
+    at every data time: kills land in refreshes too; replicas are not checkpointed)."""
     def read(epoch: int, index: int, peers: int):
         if epoch >= epochs:
             return None
         if index == 0 and epoch % 3 == 0:
             return [("precopy", (epoch + 1) % 8, ((epoch + 1) // 3) % peers)]
+        if index == 0 and epoch % 3 == 2:
+            return [("replica", (epoch + 3) % 8, ((epoch + 3) % 8 + 1) % peers)]  # (not its first owner)
         return [("move", epoch % 8, (epoch // 3) % peers)] if index == 0 and epoch % 3 == 1 else []
 
     return read
@@ -194,6 +197,7 @@ def job(worker, out: str, epochs: int, pause: float = 0.0, kill: tuple | None = 
         elif worker.index == 0 and os.path.exists(marker) and not os.path.exists(marker + ".again"):
             Path(marker + ".again").write_text(json.dumps(time.time()))
     megaphone.precopy.MIN_ENTRIES = 0  # copy every bin ahead, however small (kills land in copies too)
+    megaphone.precopy.REFRESH = 0.0  # the replicas' refreshes as often as data come
     probe = ProbeHandle()
     with worker.dataflow() as scope:
         s = checkpoint.source(scope, "input", reader(epochs, pause), max_in_flight=2, probe=probe)
@@ -215,9 +219,9 @@ def test_uninterrupted_run_matches_the_sequential_computation(tmp_path):
 
 
 def test_twenty_runs_each_killing_a_random_worker(tmp_path, monkeypatch, capfd):
-    """Megaphone's keyed count, its bins copied ahead and migrating every third epoch: SIGKILL a
-    random worker at a random moment (writes are slowed, so some kills land in one; others land in a
-    migration or a copy ahead): every
+    """Megaphone's keyed count, its bins copied ahead and migrating every third epoch, with standby
+    replicas: SIGKILL a random worker at a random moment (writes are slowed, so some kills land in
+    one; others land in a migration, a copy ahead or a refresh): every
     run recovers, and its output is the sequential computation's, every epoch once."""
     monkeypatch.setenv("TIMELY_CHECKPOINT_TEST_DELAY", "0.02")
     rng = random.Random(16)
