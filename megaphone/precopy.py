@@ -253,7 +253,6 @@ class PreCopier:
         self.next_refresh = 0.0  # monotonic time of the next refresh round
         self.copies: dict[int, Copy] = {}
         self.active: set[int] = set()  # bins whose copy or refresh has chunks left to send
-        self.drops: list[tuple[Capability, tuple]] = []  # copies replaced, whose targets must drop them
         self.replicas = 0  # copies that are replicas
         # The refresh round being sent: its capability (at a data time, on the copy edge), the
         # replicas it has still to visit (last first), and the `copied` probe's test.
@@ -263,12 +262,12 @@ class PreCopier:
 
     @property
     def sending(self) -> bool:
-        """Some copy or refresh round has chunks left, or a drop is owed: :meth:`step` has work."""
-        return bool(self.active or self.drops or self.round is not None)
+        """Some copy or refresh round has chunks left: :meth:`step` has work."""
+        return bool(self.active or self.round is not None)
 
-    def start(self, b: int, target: int, cap: Capability, replica: bool = False) -> None:
+    def start(self, b: int, target: int, cap: Capability, out: OperatorOutput, replica: bool = False) -> None:
         """Begin copying bin ``b`` to ``target`` (``cap``: at the request's time on the pre-copy
-        output); ``replica``: keep the copy as a standby replica, refreshed until the bin moves.
+        output ``out``); ``replica``: keep the copy as a standby replica, refreshed until the bin moves.
         Bins this worker does not hold and small bins are not copied (they move whole). A bin
         copied to ``target`` already keeps that copy (which stays on as a replica when ``replica``);
         a copy or replica of it on another worker is dropped there, and the new one begins."""
@@ -289,7 +288,12 @@ class PreCopier:
         elif len(bin_.state) < self.min_entries:
             reason = f"small ({len(bin_.state)} entries)"
         if reason is None and other is not None:  # the copy elsewhere gives way: its target drops it
-            self._replace(other, cap)
+            self._end(other)
+            self._end_round_without_replicas()
+            out.give_batch(cap, [self._drop_record(other)])
+            shared.events.append({"kind": "replica" if other.replica else "precopy", "time": cap.time, "bins": [b],
+                                  "to": [other.target], "dropped": "a copy to another worker was requested",
+                                  "worker": shared.index})
         if reason is not None:
             cap.drop()
             if bin_ is not None and target != shared.index:
@@ -299,22 +303,22 @@ class PreCopier:
         assert bin_ is not None
         self._begin(b, target, cap, bin_.state, replica)
 
-    def _replace(self, copy: Copy, cap: Capability) -> None:
-        """End ``copy`` (a copy or replica of its bin elsewhere) for a new one requested at ``cap``'s
-        time: its target is told to drop what it staged (a chunk of it still in flight is ignored
-        there), at that time on the copy edge."""
-        b = copy.b
-        del self.copies[b]
-        self.active.discard(b)
+    def _end(self, copy: Copy) -> tuple[set, bool]:
+        """Stop ``copy`` (its bin leaves, or another copy replaces it): no more chunks, no more
+        tracking. The keys reached since its snapshot, and whether the fold iterated the bin."""
+        del self.copies[copy.b]
+        self.active.discard(copy.b)
         self.replicas -= copy.replica
-        self._untrack(copy)
+        copy.refreshing = False
         if copy.cap is not None:
             copy.cap.drop()
-        self._end_round_without_replicas()
-        self.drops.append((cap.delayed(cap.time), (copy.target, b, None, (copy.t0, self.shared.index), copy.sent)))
-        self.shared.events.append({"kind": "replica" if copy.replica else "precopy", "time": cap.time, "bins": [b],
-                                   "to": [copy.target], "dropped": "a copy to another worker was requested",
-                                   "worker": self.shared.index})
+            copy.cap = None
+        return self._untrack(copy)
+
+    def _drop_record(self, copy: Copy) -> tuple:
+        """The copy-edge record telling ``copy``'s target to drop it: (target, bin, no payload,
+        identity, chunks sent)."""
+        return (copy.target, copy.b, None, (copy.t0, self.shared.index), copy.sent)
 
     def _begin(self, b: int, target: int, cap: Capability, state: BinState, replica: bool) -> None:
         self.shared.thaw(b)  # a checkpoint's dump of the bin first (megaphone.checkpoint.BinDump)
@@ -377,10 +381,8 @@ class PreCopier:
         if copy is None or not copy.replica or not copy.done or copy.refreshing or not self.delivered(copy.gen):
             return True
         if id(copy.state) in _overflow:  # the tracking is void: a new copy, which replaces the staged one
-            self._untrack(copy)
-            del self.copies[b]
-            self.replicas -= 1
-            out.give_batch(round_, [(copy.target, b, None, (copy.t0, self.shared.index), copy.sent)])  # the old one ends
+            self._end(copy)
+            out.give_batch(round_, [self._drop_record(copy)])
             self.shared.events.append({"kind": "replica", "time": round_.time, "bins": [b], "to": [copy.target],
                                        "recopy": "the fold iterated over the bin", "worker": self.shared.index})
             self._begin(b, copy.target, round_.delayed(round_.time), copy.state, True)
@@ -428,7 +430,7 @@ class PreCopier:
 
     def _end_round_without_replicas(self) -> None:
         """A round with no replica left to visit ends now (its capability with it)."""
-        if self.round is not None and self.replicas == 0 and not any(c.refreshing for c in self.copies.values()):
+        if self.round is not None and self.replicas == 0:  # (only replicas refresh)
             self.round.drop()
             self.round = None
             self.round_bins = []
@@ -451,10 +453,6 @@ class PreCopier:
         for a CPU: a worker that waits for a core taken by others is not idle), at most
         :data:`MAX_SHARE`. A busy worker copies at :attr:`share`; an idle one up to
         ``MAX_SHARE / share`` times as fast (5x by default), in slices of :attr:`budget` that delay a record by at most that."""
-        for cap, drop in self.drops:  # tiny, and outside the rate limit: the capabilities go soon
-            out.give_batch(cap, [drop])
-            cap.drop()
-        self.drops.clear()
         began = _time.perf_counter()
         if began < self.resume:
             return self.resume - began
@@ -517,20 +515,15 @@ class PreCopier:
         """Bin ``b`` leaves for ``target`` now: stop its copy, if any (``delivered(t0)``: every copy
         requested at ``t0`` is staged). Returns the delta's payload (``None``: move it whole), the
         copy, and the reason for a whole move of a copied bin."""
-        copy = self.copies.pop(b, None)
+        copy = self.copies.get(b)
         if copy is None:
             return None, None, ""
-        self.active.discard(b)
-        self.replicas -= copy.replica
         done = copy.done
         state = copy.state
-        reached, whole = self._untrack(copy)
-        if copy.cap is not None:
-            copy.cap.drop()
-            copy.cap = None
+        reached, whole = self._end(copy)
         if copy.gen != copy.t0 and not delivered(copy.gen):
             reached |= copy.before  # a refresh not staged yet: its keys are owed too
-        copy.refreshing = False
+        # Only now: the round's capability is what says a refresh with chunks left is not staged.
         self._end_round_without_replicas()
         if copy.target != target:
             return None, copy, f"the copy went to worker {copy.target}"

@@ -56,7 +56,7 @@ class RoutingOperator:
                 except TableError as e:
                     raise TableError(f"'{shared.name}': {e}") from None
             for kind, b, w in sorted(u for u in updates if u[0] in COPIES):  # copy ahead (megaphone.precopy)
-                self.precopier.start(b, w, copy_cap.delayed(t), replica=kind == "replica")
+                self.precopier.start(b, w, copy_cap.delayed(t), copy_out, replica=kind == "replica")
             copy_cap.drop()
             updates = [u for u in updates if u[0] not in COPIES]
             if not updates:

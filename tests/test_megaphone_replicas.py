@@ -105,7 +105,7 @@ def check_replica(ops: list, late: list, size: int, records: bool = False) -> in
     f = PreCopier(owner, chunk=3, budget=0.0, min_entries=0, share=1.0, refresh=0.0)
     s = Staging(holder)
     clock = 1
-    f.start(0, 1, Cap(edge, clock), replica=True)
+    f.start(0, 1, Cap(edge, clock), edge, replica=True)
 
     def deliver(i: int) -> None:
         _, r = edge.flight.pop(i % len(edge.flight))
@@ -182,7 +182,7 @@ def test_a_copy_requested_to_another_worker_replaces_the_replica_there(ops, late
         f = PreCopier(owner, chunk=3, budget=0.0, min_entries=0, share=1.0, refresh=0.0)
         holders = {w: Staging(Shared("model", 1, w, 3)) for w in (1, 2)}
         clock, target = 1, 1
-        f.start(0, target, Cap(edge, clock), replica=True)
+        f.start(0, target, Cap(edge, clock), edge, replica=True)
 
         def deliver(i: int) -> None:
             _, r = edge.flight.pop(i % len(edge.flight))
@@ -210,7 +210,7 @@ def test_a_copy_requested_to_another_worker_replaces_the_replica_there(ops, late
             elif op == "move":  # to the other worker; the same one again is a no-op
                 clock += 1
                 target = 3 - target if v % 2 else target
-                f.start(0, target, Cap(edge, clock), replica=replica)
+                f.start(0, target, Cap(edge, clock), edge, replica=replica)
                 assert f.copies[0].target == target
         while f.sending:
             step()
@@ -231,9 +231,9 @@ def test_a_copy_to_the_replicas_worker_keeps_the_replica():
         owner.bins[0].state[key] = key
     edge = Edge()
     f = PreCopier(owner, chunk=3, budget=0.0, min_entries=0, share=1.0, refresh=0.0)
-    f.start(0, 1, Cap(edge, 1))
-    f.start(0, 1, Cap(edge, 2), replica=True)  # the copy under way becomes a replica
-    f.start(0, 1, Cap(edge, 3))
+    f.start(0, 1, Cap(edge, 1), edge)
+    f.start(0, 1, Cap(edge, 2), edge, replica=True)  # the copy under way becomes a replica
+    f.start(0, 1, Cap(edge, 3), edge)
     assert f.replicas == 1 and f.copies[0].replica and f.copies[0].t0 == 1
     assert [e["skipped"] for e in owner.events] == [
         "a copy is on worker 1 already (kept as a replica)", "a replica is on worker 1 already"]
