@@ -17,7 +17,6 @@ from setuptools.command.build_ext import build_ext
 # module -> (native/<source>.pyx, the native/*.pxi files it includes).
 NATIVE_MODULES = {
     "timely._native.hashing": ("hashing", ["batch.pxi", "route_bins.pxi", "columns.pxi"]),
-    "timely._native.progress": ("progress", []),
     "nexmark.nexmark_gen": ("nexmark_gen", []),
 }
 

@@ -71,7 +71,7 @@ def test_clients_import_only_the_public_engine(package):
 
 # Within timely: the layers each module may import (besides its own package and timely.errors).
 LAYERS = {
-    "timely.progress": {"timely._native"},  # its hot paths (native/progress.pyx) import nothing of the engine
+    "timely.progress": set(),
     "timely.comm": set(),
     "timely.dataflow": {"timely.progress", "timely.routing"},
     # Columnar streams: operators over the dataflow layer, buffers over the transport's framing.

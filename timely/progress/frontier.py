@@ -1,15 +1,12 @@
 """Antichains: frontiers of partially ordered times, fixed (:class:`Antichain`) or counted
-(:class:`MutableAntichain`, native: ``native/progress.pyx``). The empty antichain means
-"complete": no further time is possible."""
+(:class:`MutableAntichain`). The empty antichain means "complete": no further time is possible."""
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .._native.progress import MutableAntichain
 from .timestamp import less_equal, less_than, minimal
-
-__all__ = ["Antichain", "Frontier", "MutableAntichain"]
 
 
 class Antichain:
@@ -62,6 +59,104 @@ class Antichain:
 
     def __repr__(self) -> str:
         return f"Antichain({sorted(self.elements)!r})"
+
+
+class MutableAntichain:
+    """A multiset of times with integer counts and the frontier of those with positive count.
+
+    Counts may be transiently negative (a worker may see a decrement before the increment it
+    cancels); only strictly positive counts contribute to the frontier.
+    """
+
+    __slots__ = ("counts", "elements", "_heap")
+
+    def __init__(self) -> None:
+        self.counts: dict[Any, int] = {}
+        self.elements: list[Any] = []  # the frontier: minimal times of positive count
+        # Integer times are totally ordered: the frontier is the least positive time, found in a
+        # min-heap of the times that entered the positive set (entries whose count has since
+        # dropped to zero are discarded lazily). A rebuild then costs O(log n), not a sort of every
+        # time held: an operator may hold thousands of capabilities (a timer per pending time).
+        # Tuple times (nested scopes) take the general path.
+        self._heap: list[int] = []
+
+    def update_iter(self, updates: Iterable[tuple[Any, int]]) -> list[tuple[Any, int]]:
+        """Apply ``(time, diff)`` updates; return the frontier's changes as ``(time, +1|-1)`` pairs."""
+        counts = self.counts
+        frontier = self.elements
+        heap = self._heap
+        rebuild = False
+        for t, d in updates:
+            if not d:
+                continue
+            c0 = counts.get(t, 0)
+            c1 = c0 + d
+            if c1:
+                counts[t] = c1
+            else:
+                del counts[t]
+            if (c0 > 0) == (c1 > 0):
+                continue  # t neither entered nor left the set of positive times
+            if type(t) is int:  # the frontier of integer times is [least positive time] or []
+                if c1 > 0:
+                    heapq.heappush(heap, t)
+                    rebuild = rebuild or not frontier or t < frontier[0]
+                else:
+                    rebuild = rebuild or t == frontier[0]
+                continue
+            if rebuild:
+                continue
+            if c1 > 0:
+                # t entered: the frontier changes unless an element already is <= t.
+                rebuild = not any(less_equal(f, t) for f in frontier)
+            else:
+                # t left: the frontier changes only if t was one of its elements.
+                rebuild = t in frontier
+        if not rebuild:
+            return []
+        if heap or not counts:
+            new = self._least_int()
+        else:
+            new = []
+            for t in sorted(t for t, c in counts.items() if c > 0):
+                if not any(less_equal(x, t) for x in new):
+                    new.append(t)
+        if new == frontier:
+            return []
+        old = set(frontier)
+        nset = set(new)
+        self.elements = new
+        return [(t, -1) for t in frontier if t not in nset] + [(t, 1) for t in new if t not in old]
+
+    def _least_int(self) -> list[int]:
+        """The frontier of integer times: ``[least positive time]`` or ``[]``."""
+        heap, counts = self._heap, self.counts
+        if len(heap) > 2 * len(counts) + 64:
+            # Mostly stale entries (times that came and went above the least one): start afresh.
+            heap[:] = [t for t, c in counts.items() if c > 0]
+            heapq.heapify(heap)
+        while heap and counts.get(heap[0], 0) <= 0:
+            heapq.heappop(heap)
+        return [heap[0]] if heap else []
+
+    def less_equal(self, t: Any) -> bool:
+        """True if some frontier element is ``<= t``."""
+        return any(less_equal(x, t) for x in self.elements)
+
+    def less_than(self, t: Any) -> bool:
+        """True if some frontier element is ``< t``."""
+        return any(less_than(x, t) for x in self.elements)
+
+    def count_for(self, t: Any) -> int:
+        """The count of exactly ``t``."""
+        return self.counts.get(t, 0)
+
+    def is_empty(self) -> bool:
+        """True when the frontier is empty."""
+        return not self.elements
+
+    def __repr__(self) -> str:
+        return f"MutableAntichain(frontier={self.elements!r})"
 
 
 class Frontier:

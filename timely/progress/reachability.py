@@ -13,7 +13,6 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from .._native.progress import propagate
 from ..errors import CycleError
 from .change_batch import ChangeBatch
 from .frontier import Antichain, MutableAntichain
@@ -198,10 +197,10 @@ class Tracker:
                 self.implications[Target(n, i)] = MutableAntichain()
             for o in range(outs):
                 self.pointstamps[Source(n, o)] = MutableAntichain()
-        # location -> [(target, its implications, [summary, or None for the empty path], integer
-        # adds or None)]: the adds are the summaries as plain offsets of integer times where every
-        # one is (keep=1, push=()), the whole of a dataflow without nested scopes (the hot path).
-        self._reach: dict[Location, list[tuple[Location, MutableAntichain, list, list[int] | None]]] = {}
+        # location -> [(target, [summary, or None for the empty path], integer adds or None)]: the
+        # adds are the summaries as plain offsets of integer times where every one is (keep=1,
+        # push=()), the whole of a dataflow without nested scopes (the hot path).
+        self._reach: dict[Location, list[tuple[Location, list, list[int] | None]]] = {}
         for loc in self.pointstamps:
             reach = []
             for target, summaries in self.paths(loc).items():
@@ -210,7 +209,7 @@ class Tracker:
                 adds = None
                 if all(s is None or (s.keep == 1 and not s.push) for s in summaries):
                     adds = [0 if s is None else s.add for s in summaries]
-                reach.append((target, self.implications[target], summaries, adds))
+                reach.append((target, summaries, adds))
             self._reach[loc] = reach
         self._changes = ChangeBatch()
         self.total_counts = 0  # number of (location, time) frontier elements over all pointstamps
@@ -252,8 +251,36 @@ class Tracker:
         changes = self._changes.take()
         if not changes:
             return []
-        pushed, moved = propagate(changes, self.pointstamps, self._reach)
-        self.total_counts += moved
+        by_loc: dict[Location, list] = defaultdict(list)
+        for (loc, t), d in changes.items():
+            by_loc[loc].append((t, d))
+        pending: dict[Location, dict] = {}  # target -> {implied time: diff}
+        pointstamps, reach = self.pointstamps, self._reach
+        for loc, group in by_loc.items():
+            moved = pointstamps[loc].update_iter(group)
+            if not moved:
+                continue
+            for _, d in moved:
+                self.total_counts += d
+            for target, summaries, adds in reach[loc]:
+                acc = pending.get(target)
+                if acc is None:
+                    acc = pending[target] = {}
+                get = acc.get
+                for t, d in moved:
+                    if adds is not None and type(t) is int:
+                        for a in adds:
+                            t2 = t + a
+                            acc[t2] = get(t2, 0) + d
+                    else:
+                        for s in summaries:
+                            t2 = t if s is None else s.results_in(t)
+                            acc[t2] = get(t2, 0) + d
+        pushed: list[tuple[Location, Any, int]] = []
+        implications = self.implications
+        for target, acc in pending.items():
+            for t2, d2 in implications[target].update_iter(acc.items()):
+                pushed.append((target, t2, d2))
         return pushed
 
     def frontier(self, location: Location) -> list:
