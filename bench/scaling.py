@@ -9,8 +9,9 @@ at a time in flight; NEXMark as in ``bench/peers.py``) for records/s in total an
 **records per CPU-second** (user + system time of all worker processes, every thread, between the
 common start and the end): the figure that shows scaling on a machine with fewer cores than
 workers, as it must not fall as workers are added. The NEXMark workloads then run **open loop**
-at ``--rate`` events/s per worker (``bench/nexmark_bench.py``'s driver) for p50 and p99 latency,
-unless ``--no-latency``: with more workers than cores these measure the time slicing of the
+at ``--rate`` events/s per worker (``bench/nexmark_bench.py``'s driver) for p50 and p99 latency
+and the CPU a worker spends per round (one 1 ms epoch while the workers keep up), unless
+``--no-latency``: with more workers than cores these measure the time slicing of the
 cores rather than the engine. Every figure is the median of ``--runs`` runs; every worker is a
 fresh interpreter (``start="spawn"``).
 
@@ -82,16 +83,19 @@ def run_nexmark(workload: str, workers: int, per_worker: int, batch: int, epoch_
                    sum(r["cpu"] for r in results))
 
 
-def run_latency(workload: str, workers: int, rate: int, duration: float) -> tuple[float, float]:
-    """p50 and p99 latency (seconds) of a NEXMark query at ``rate`` events/s per worker, open loop."""
+def run_latency(workload: str, workers: int, rate: int, duration: float) -> tuple[float, float, float]:
+    """p50 and p99 latency (seconds) of a NEXMark query at ``rate`` events/s per worker, open loop,
+    and the CPU-seconds a worker spends per round (an epoch, or several where the workers fell
+    behind): the cost that bounds how short epochs can be with a core per worker."""
     from nexmark.driver import Spec, run
     from nexmark.report import summarise
 
     query, _, flex = workload.partition("-")
     spec = Spec(query=query, flex=bool(flex), rate=rate * workers, duration=duration, workers=workers, k=12,
                 progress=False)
-    s = summarise(workload, spec, run(spec, start="spawn", timeout=duration + 600))
-    return s.overall[0], s.overall[2]
+    results = run(spec, start="spawn", timeout=duration + 600)
+    s = summarise(workload, spec, results)
+    return s.overall[0], s.overall[2], sum(r["cpu"] for r in results) / max(1, sum(r["rounds"] for r in results))
 
 
 def _control_job(_: int) -> float:
@@ -118,6 +122,10 @@ def control(processes: int, alone: float | None = None) -> float:
 
 def _fmt_ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.1f} ms"
+
+
+def _fmt_us(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e6:,.0f} us"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     alone = control(1, 1.0)
     factors = {w: control(w, alone) for w in opts.workers}
     print(f"{'workload':<9} {'workers':>7} {'records/s':>12} {'per worker':>12} {'per CPU-s':>11} {'vs 2':>5} "
-          f"{'CPU-s':>6} {'p50':>9} {'p99':>9} {'control':>8}")
+          f"{'CPU-s':>6} {'p50':>9} {'p99':>9} {'CPU/round':>9} {'control':>8}")
     for workload in opts.workload:
         base = None
         for workers in opts.workers:
@@ -162,11 +170,12 @@ def main(argv: list[str] | None = None) -> None:
                     if not opts.no_latency:
                         lat.append(run_latency(workload, workers, opts.rate, opts.duration))
                 time.sleep(0.5)  # let the previous run's processes go
-            p50 = statistics.median(p for p, _ in lat) if lat else None
-            p99 = statistics.median(p for _, p in lat) if lat else None
+            p50 = statistics.median(x[0] for x in lat) if lat else None
+            p99 = statistics.median(x[1] for x in lat) if lat else None
+            per_round = statistics.median(x[2] for x in lat) if lat else None
             if not runs:  # --latency-only
                 print(f"{workload:<9} {workers:>7} {'-':>12} {'-':>12} {'-':>11} {'-':>5} {'-':>6} "
-                      f"{_fmt_ms(p50):>9} {_fmt_ms(p99):>9} {factors[workers]:>7.2f}x", flush=True)
+                      f"{_fmt_ms(p50):>9} {_fmt_ms(p99):>9} {_fmt_us(per_round):>9} {factors[workers]:>7.2f}x", flush=True)
                 continue
             rate = statistics.median(r.rate for r in runs)
             per_cpu = statistics.median(r.per_cpu_s for r in runs)
@@ -175,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             share = f"{per_cpu / base:.0%}" if base and workers > 2 else "-"
             print(f"{workload:<9} {workers:>7} {rate:>12,.0f} {rate / workers:>12,.0f} {per_cpu:>11,.0f} {share:>5} "
                   f"{statistics.median(r.cpu for r in runs):>6.1f} {_fmt_ms(p50):>9} {_fmt_ms(p99):>9} "
-                  f"{factors[workers]:>7.2f}x", flush=True)
+                  f"{_fmt_us(per_round):>9} {factors[workers]:>7.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -162,6 +162,7 @@ class WorkerRun:
         self.stamp = 0  # the inputs' current epoch
         self.last_stamp = 0  # the epoch the previous round was sent at
         self.sent = 0
+        self.rounds = 0  # measured rounds sent
         self.done_sending = False
 
     def _count(self, time: Any, batch: Any) -> None:
@@ -190,6 +191,7 @@ class WorkerRun:
         completions; start a due migration."""
         stamp = self.stamp
         self.sent += self._feed(self.history + due)
+        self.rounds += 1
         self.completions.sent(due, stamp)
         self.done_sending = due >= self.epochs
         if self.controller is not None and self.migrations and now >= self.migrations[0]:
@@ -294,7 +296,7 @@ class WorkerRun:
         for lo in range(0, self.epochs, CHUNK):
             timeline.record(*latencies(self.schedule, completions.completion, lo, min(lo + CHUNK, self.epochs)))
         return {"worker": worker.index, "sent": self.sent, "produced": self.produced, "elapsed": elapsed,
-                "cpu": cpu, "timeline": timeline.to_bytes(),
+                "cpu": cpu, "rounds": self.rounds, "timeline": timeline.to_bytes(),
                 "acked_per_interval": acknowledged(self.schedule, completions.completion, INTERVAL).tolist(),
                 "rss": self.rss, "peak_rss": peak_rss, "steps": steps,
                 "gc": gc_pauses.as_dict()}
