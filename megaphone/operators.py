@@ -32,7 +32,7 @@ from timely import (
 from .bins import ROWS, MegaphoneError, Shared, StateCodec
 from .checkpoint import BinCheckpoint
 from .control import ControlInput
-from .route import RoutingOperator
+from .route import ExtractionWaker, RoutingOperator
 from .state import PerTime, StateOperator, per_record_time
 from .table import Table, TableError, validate_k
 
@@ -181,7 +181,7 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
     ack_stream.probe_with(copied)
     if isinstance(control, ControlInput):
         control.attach(copied)
-    probe.watch(fb.activator)  # F wakes up when S's output frontier moves
+    probe.watch(ExtractionWaker(f_op))  # F wakes up when S's output frontier moves and bins wait for it
     return Migratable(out, probe, shared, copied)
 
 

@@ -162,3 +162,22 @@ class RoutingOperator:
                                   "entries": entries, "bytes": nbytes, "seconds": _time.perf_counter() - started,
                                   "worker": me, "ahead_bytes": ahead, "modes": modes})
 
+
+class ExtractionWaker:
+    """What F gives S's output probe to watch (``ProbeHandle.watch``): schedules F when that
+    frontier moved, if bins wait for it (``RoutingOperator.to_extract``).
+
+    Invariant relied on: only the extraction of moving bins (step 3 of ``RoutingOperator.run``)
+    reads that frontier, and a bin joins ``to_extract`` inside ``run``, which tests the frontier at
+    once. F's own inputs wake it at every epoch; waking it for S's frontier too, with nothing to
+    extract, ran F a second time per epoch, in a step of its own (bench/RESULTS.md)."""
+
+    __slots__ = ("route",)
+
+    def __init__(self, route: RoutingOperator) -> None:
+        self.route = route
+
+    def activate(self) -> None:
+        """Schedule F if it has bins to extract."""
+        if self.route.to_extract:
+            self.route.activator.activate()

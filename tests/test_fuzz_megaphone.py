@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from test_megaphone_ops import (
     check_binary_join,
     check_ownership,
+    check_pipelined_migrations,
     check_state_machine,
     check_unary_timers,
     records,
@@ -35,6 +36,11 @@ pytestmark = pytest.mark.timeout(300)
 @property_on_workers(single=25, multi=4, data=st.data(), seed=FUZZ_SEEDS)
 def test_state_machine(workers, data, seed):
     check_state_machine(workers, data, fuzz=seed)
+
+
+@property_on_workers(single=25, multi=4, data=st.data(), seed=FUZZ_SEEDS)
+def test_migrations_with_every_epoch_in_flight(workers, data, seed):
+    check_pipelined_migrations(workers, data, fuzz=seed)
 
 
 @property_on_workers(single=25, multi=4, data=st.data(), seed=FUZZ_SEEDS)
