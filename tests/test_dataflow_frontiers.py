@@ -267,3 +267,39 @@ def test_execute_finishes_after_main_returns(workers, tmp_path):
         lines.update(f.read_text().split("\n")[:-1])
     expected = Counter([f"x {workers * (workers + 1) // 2}", f"y {workers}", f"x {workers}"])
     assert lines == expected
+
+
+@workers_param
+def test_a_probe_is_scheduled_on_frontier_changes_only_once_watched(workers):
+    """Reading a probe needs no operator run: an unwatched probe operator is not scheduled when the
+    frontier moves (it runs for records only). Once watched, it is, and each move wakes the watcher,
+    also a watcher added while the dataflow runs."""
+
+    def main(worker):
+        woken = []
+
+        class Watcher:
+            def activate(self) -> None:
+                woken.append(worker_probe.frontier.elements())
+
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            worker_probe = inp.stream.probe()
+        core = worker._dataflows[0].operators[-1]  # the probe operator
+        runs = []
+        for epoch in range(1, 4):
+            inp.advance_to(epoch)
+            worker.step_while(lambda: worker_probe.less_than(epoch), timeout=STEP_TIMEOUT)
+            runs.append(core.activations)
+        worker_probe.watch(Watcher())
+        for epoch in range(4, 7):
+            inp.advance_to(epoch)
+            worker.step_while(lambda: worker_probe.less_than(epoch) or len(woken) < epoch - 3,
+                              timeout=STEP_TIMEOUT)
+        inp.close()
+        worker.finish()
+        return runs, woken
+
+    for runs, woken in run(main, workers):
+        assert runs == [0, 0, 0], "an unwatched probe ran on frontier changes alone"
+        assert woken == [[4], [5], [6], []]

@@ -135,6 +135,16 @@ class OperatorBuilder:
         self._check_open("change frontier interest")
         self._core.frontier_interest = interest
 
+    def frontier_interest_switch(self) -> Callable[[bool], None]:
+        """:meth:`set_frontier_interest` as a callable that also works once the dataflow runs: a
+        probe is scheduled on frontier changes only while someone watches it."""
+        core = self._core
+
+        def switch(interest: bool) -> None:
+            core.frontier_interest = interest
+
+        return switch
+
     def build(self, constructor: Constructor) -> None:
         """Install the logic: ``constructor(capabilities)`` returns a zero-argument callable.
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
@@ -97,10 +97,15 @@ class ProbeHandle:
         self._frontiers: list[Frontier] = []  # one per probed stream (the probe operators' inputs)
         self._watchers: list[Any] = []  # activators scheduled whenever the frontier changes
         self._seen: list[Any] | None = None  # the frontier the watchers last heard of
+        self._interest: list[Callable[[bool], None]] = []  # the probe operators' frontier interest
 
-    def _attach(self, frontier: Frontier) -> None:
-        """Add a probed stream's frontier (called by ``Stream.probe_with``)."""
+    def _attach(self, frontier: Frontier, interest: Callable[[bool], None]) -> None:
+        """Add a probed stream's frontier (called by ``Stream.probe_with``). Its probe operator is
+        scheduled on frontier changes (``interest``) only once the handle has watchers: reading the
+        frontier needs no operator to run, and an unwatched probe run at every epoch did nothing."""
         self._frontiers.append(frontier)
+        self._interest.append(interest)
+        interest(bool(self._watchers))
 
     def _observe(self) -> None:
         """Wake the watchers if the frontier moved since they last heard (called by the probe operators)."""
@@ -114,6 +119,8 @@ class ProbeHandle:
     def watch(self, activator: Any) -> None:
         """Schedule ``activator`` (an operator's ``info.activator``) whenever this frontier changes."""
         self._watchers.append(activator)
+        for interest in self._interest:
+            interest(True)
 
     @property
     def frontier(self) -> Frontier:

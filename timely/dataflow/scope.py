@@ -310,14 +310,13 @@ class Stream:
     def probe_with(self, handle: ProbeHandle) -> Stream:
         """Add this stream's frontier to ``handle``; returns the same records as a new stream.
 
-        The probe operator is scheduled on frontier changes too, so that operators watching the
-        probe (``handle.watch(activator)``) wake up when it moves.
+        Once the handle has a watcher (``handle.watch(activator)``), the probe operator is also
+        scheduled on frontier changes, so that the watchers wake up when it moves.
         """
         b = OperatorBuilder(self.scope, self.scope.default_name("Probe"))
         inp = b.new_input(self)
         out, stream = b.new_output()
-        b.set_frontier_interest(True)
-        handle._attach(inp.frontier)
+        handle._attach(inp.frontier, b.frontier_interest_switch())  # scheduled on frontier changes once watched
 
         def build(caps: list[Capability]) -> Callable[[], None]:
             caps[0].drop()
