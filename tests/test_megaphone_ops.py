@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from megaphone_jobs import STEP_TIMEOUT
 
 import megaphone
-import timely
 
 keys = st.integers(0, 40)
 records = st.lists(st.tuples(keys, st.integers(1, 5)), max_size=25)
@@ -47,10 +46,28 @@ def draw_moves(data, k: int, workers: int, epochs: int) -> list[dict]:
                       label=f"moves{e}") for e in range(epochs)]
 
 
-def megaphone_job(epochs, moves, k: int, build, inputs: int = 1):
+def drive_pipelined(worker, data_inputs, control, handle, epochs, moves):
+    """:func:`drive` with every epoch and move sent before the first step: nothing waits for an
+    epoch to complete, so F compiles a move while S has earlier epochs still to finish, and only S's
+    output frontier moving tells F when it may ship the bins (its own inputs have stopped moving).
+    Observes the bins once, at the end."""
+    for e, per_input in enumerate(epochs):
+        if worker.index == 0 and moves[e]:
+            control.moves(moves[e])
+        for inp, recs in zip(data_inputs, per_input):
+            inp.send_batch(recs[worker.index::worker.peers])
+        for inp in (*data_inputs, control):
+            inp.advance_to(e + 1)
+    for h in (*data_inputs, control):
+        h.close()
+    worker.step_while(lambda: not handle.probe.done(), timeout=STEP_TIMEOUT)
+    return [(handle.owned_bins(), list(handle.routing_table()))]
+
+
+def megaphone_job(epochs, moves, k: int, build, inputs: int = 1, driver=drive):
     """The job of one test run: ``build(streams, control)`` makes the megaphone operator over
-    ``inputs`` data inputs and a control input of ``2^k`` bins; :func:`drive` feeds ``epochs`` and
-    ``moves``. Each worker returns its captured output and what :func:`drive` observed."""
+    ``inputs`` data inputs and a control input of ``2^k`` bins; ``driver`` (:func:`drive`) feeds
+    ``epochs`` and ``moves``. Each worker returns its captured output and what the driver observed."""
 
     def main(worker):
         with worker.dataflow() as scope:
@@ -58,7 +75,7 @@ def megaphone_job(epochs, moves, k: int, build, inputs: int = 1):
             control = megaphone.ControlInput(scope, k=k)
             m = build([d.stream for d in data], control)
             cap = m.stream.capture()
-        owned = drive(worker, data, control, m, epochs, moves)
+        owned = driver(worker, data, control, m, epochs, moves)
         for h in (*data, control):
             h.close()
         worker.finish()
@@ -108,15 +125,17 @@ def running_counts(epochs):
     return out
 
 
-def sm_job(epochs, moves, k):
+def running_sum(key, value, state):
+    """The state machine's fold: a running sum per key, emitted at every record."""
+    state = (state or 0) + value
+    return state, [(key, state)]
+
+
+def sm_job(epochs, moves, k, driver=drive):
     """A running sum per key in a state machine whose bins migrate in many chunks (``chunk=4``)."""
-
-    def fold(key, value, state):
-        state = (state or 0) + value
-        return state, [(key, state)]
-
     return megaphone_job(epochs, moves, k,
-                         lambda s, control: megaphone.state_machine(s[0], control, None, fold, chunk=4))
+                         lambda s, control: megaphone.state_machine(s[0], control, None, running_sum, chunk=4),
+                         driver=driver)
 
 
 def summarise_sm(results):
@@ -151,35 +170,6 @@ def test_state_machine_with_random_migrations(workers, data):
     check_state_machine(workers, data)
 
 
-def pipelined_sm_job(epochs, moves, k):
-    """:func:`sm_job` with every epoch and move sent before the first step: nothing waits for an
-    epoch to complete, so F compiles a move while S has earlier epochs still to finish, and only S's
-    output frontier moving tells F when it may ship the bins (its own inputs have stopped moving)."""
-
-    def fold(key, value, state):
-        state = (state or 0) + value
-        return state, [(key, state)]
-
-    def main(worker):
-        with worker.dataflow() as scope:
-            data = scope.new_input()
-            control = megaphone.ControlInput(scope, k=k)
-            m = megaphone.state_machine(data.stream, control, None, fold, chunk=4)
-            cap = m.stream.capture()
-        for e, (recs,) in enumerate(epochs):
-            if worker.index == 0 and moves[e]:
-                control.moves(moves[e])
-            data.send_batch(recs[worker.index::worker.peers])
-            data.advance_to(e + 1)
-            control.advance_to(e + 1)
-        data.close()
-        control.close()
-        worker.finish()
-        return cap.extract(), list(m.routing_table()), m.owned_bins()
-
-    return main
-
-
 def check_pipelined_migrations(workers, data, fuzz=None):
     """Moves compiled while earlier epochs are still in flight complete (F wakes on S's output
     frontier, megaphone.route.ExtractionWaker) and the running sums equal the sequential oracle;
@@ -188,16 +178,9 @@ def check_pipelined_migrations(workers, data, fuzz=None):
     n = data.draw(st.integers(2, 6), label="epochs")
     epochs = [(data.draw(records, label=f"records{e}"),) for e in range(n)]
     moves = [{}] + draw_moves(data, k, workers, n - 1)  # nothing at epoch 0: S has an epoch to finish first
-    results = timely.execute(pipelined_sm_job(epochs, moves, k), workers=workers, fuzz=fuzz, timeout=STEP_TIMEOUT)
-    assert summarise_sm([(norm(r[0]), None) for r in results]) == running_counts(epochs)
-    table = results[0][1]
-    holders = defaultdict(list)
-    for w, r in enumerate(results):
-        assert r[1] == table, "the workers disagree on the routing table"
-        for b in r[2]:
-            holders[b].append(w)
-    for b in range(1 << k):
-        assert holders[b] == [table[b]], f"bin {b} held by {holders[b]}, the table says {table[b]}"
+    results = run_normalized(sm_job(epochs, moves, k, driver=drive_pipelined), workers, fuzz)
+    assert summarise_sm(results) == running_counts(epochs)
+    check_ownership(results, workers, k)
 
 
 @pytest.mark.timeout(300)
