@@ -9,7 +9,8 @@
 #   OUT=/tmp/out bash bench/device16.sh [section ...]
 #
 # Sections: scaling latency migration autobalance (the default: the first run's figures), and the
-# shorter scaling-ends latency-ends precopy autobalance-target (the rerun after the changes).
+# shorter scaling-ends latency-ends precopy autobalance-target (the rerun after the changes), and
+# relay (the progress modes compared).
 #
 # Every section writes its full output under $OUT and has its own time limit; the log ends with
 # each section's table.
@@ -49,6 +50,11 @@ for s in $SECTIONS; do
     latency-ends)
         section latency-ends 80 python3 bench/scaling.py --workload q3-flex --workers 2 8 16 --runs 2 \
             --latency-only --rate 125000 --duration 6 ;;
+    relay)  # progress direct or through worker 0, alternating: closed-loop Q3 and the open loop's latency
+        section relay 150 python3 bench/scaling.py --workload q3 --workers 8 16 --runs 3 --no-latency \
+            --progress direct relay
+        section relay-latency 120 python3 bench/scaling.py --workload q3-flex --workers 8 16 --runs 2 \
+            --latency-only --rate 125000 --duration 6 --progress direct relay ;;
     migration)  # scale-out 4 -> 8 workers of a large keyed count, every strategy in the same run
         section migration 150 python3 bench/migration.py --workers 8 --spare 4 --keys 10000000 \
             --rate 400000 --duration 14 --migrate-at 5 --runs 1 \

@@ -15,6 +15,9 @@ and the CPU a worker spends per round (one 1 ms epoch while the workers keep up)
 cores rather than the engine. Every figure is the median of ``--runs`` runs; every worker is a
 fresh interpreter (``start="spawn"``).
 
+``--progress direct relay`` runs every configuration in both progress modes (``timely.execute``'s
+``progress``), alternating run by run, and prints a row for each.
+
 With more workers than cores, the same instructions may cost more CPU time (the processes evict
 each other's caches and are switched in and out). The *control* column measures that alone: the
 CPU time of a fixed engine-free job (msgpack encoding and decoding of keyed records) run in as many
@@ -23,6 +26,7 @@ processes at once as there are workers, relative to one process.
     .venv/bin/python bench/scaling.py                               # everything, 1..16 workers
     .venv/bin/python bench/scaling.py --workload count --workers 2 8 16 --runs 3
     .venv/bin/python bench/scaling.py --workload q3-flex --rate 5000 --duration 10
+    .venv/bin/python bench/scaling.py --workload q3 --workers 8 16 --progress direct relay
 """
 from __future__ import annotations
 
@@ -67,23 +71,27 @@ class Figures:
         return self.records / self.cpu
 
 
-def run_count(workers: int, per_worker: int, keys: int, batch: int, epoch_batches: int) -> Figures:
+def run_count(workers: int, per_worker: int, keys: int, batch: int, epoch_batches: int,
+              progress: str = "direct") -> Figures:
     """The keyed count with ``per_worker`` records on each of ``workers`` workers."""
     records = per_worker * workers
-    results = timely.execute(keyed_count, workers=workers, start="spawn", timeout=900,
+    results = timely.execute(keyed_count, workers=workers, start="spawn", timeout=900, progress=progress,
                              args=[str(records), str(keys), str(batch), str(epoch_batches), "freeze"])
     return Figures(records, max(r[1] for r in results) - min(r[0] for r in results), sum(r[3] for r in results))
 
 
-def run_nexmark(workload: str, workers: int, per_worker: int, batch: int, epoch_batches: int) -> Figures:
+def run_nexmark(workload: str, workers: int, per_worker: int, batch: int, epoch_batches: int,
+                progress: str = "direct") -> Figures:
     """A NEXMark query over ``per_worker`` events on each of ``workers`` workers, closed loop."""
     args = [workload, "freeze", str(per_worker * workers), str(batch), str(epoch_batches)]
-    results = timely.execute(_ours_nexmark, workers=workers, start="spawn", timeout=900, args=args)
+    results = timely.execute(_ours_nexmark, workers=workers, start="spawn", timeout=900, args=args,
+                             progress=progress)
     return Figures(sum(r["inputs"] for r in results), max(r["end"] for r in results) - min(r["start"] for r in results),
                    sum(r["cpu"] for r in results))
 
 
-def run_latency(workload: str, workers: int, rate: int, duration: float) -> tuple[float, float, float]:
+def run_latency(workload: str, workers: int, rate: int, duration: float,
+                progress: str = "direct") -> tuple[float, float, float]:
     """p50 and p99 latency (seconds) of a NEXMark query at ``rate`` events/s per worker, open loop,
     and the CPU-seconds a worker spends per round (an epoch, or several where the workers fell
     behind): the cost that bounds how short epochs can be with a core per worker."""
@@ -92,7 +100,7 @@ def run_latency(workload: str, workers: int, rate: int, duration: float) -> tupl
 
     query, _, flex = workload.partition("-")
     spec = Spec(query=query, flex=bool(flex), rate=rate * workers, duration=duration, workers=workers, k=12,
-                progress=False)
+                progress=False, progress_mode=progress)
     results = run(spec, start="spawn", timeout=duration + 600)
     s = summarise(workload, spec, results)
     return s.overall[0], s.overall[2], sum(r["cpu"] for r in results) / max(1, sum(r["rounds"] for r in results))
@@ -142,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="NEXMark closed loop: batches per epoch and worker (the keyed count: 64, as bench/exchange.py)")
     parser.add_argument("--rate", type=int, default=2_000, help="NEXMark open loop: events/s per worker")
     parser.add_argument("--duration", type=float, default=8.0, help="NEXMark open loop: seconds of input")
+    parser.add_argument("--progress", nargs="+", choices=["direct", "relay"], default=["direct"],
+                        help="progress mode(s); with two, runs alternate between them (default direct)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--no-latency", action="store_true", help="skip the open-loop latency runs")
     mode.add_argument("--latency-only", action="store_true", help="NEXMark: only the open-loop latency runs")
@@ -154,37 +164,48 @@ def main(argv: list[str] | None = None) -> None:
           f"open loop: {opts.rate:,} events/s per worker for {opts.duration:g} s", flush=True)
     alone = control(1, 1.0)
     factors = {w: control(w, alone) for w in opts.workers}
-    print(f"{'workload':<9} {'workers':>7} {'records/s':>12} {'per worker':>12} {'per CPU-s':>11} {'vs 2':>5} "
+    modes = opts.progress
+    print(f"{'workload':<9} {'workers':>7} {'progress':>8} {'records/s':>12} {'per worker':>12} {'per CPU-s':>11} {'vs 2':>5} "
           f"{'CPU-s':>6} {'p50':>9} {'p99':>9} {'CPU/round':>9} {'control':>8}")
     for workload in opts.workload:
-        base = None
+        base: dict[str, float] = {}
         for workers in opts.workers:
-            runs, lat = [], []
+            got: dict[str, tuple[list[Figures], list[tuple[float, float, float]]]] = {m: ([], []) for m in modes}
             for _ in range(opts.runs):
-                if workload == "count":
-                    runs.append(run_count(workers, opts.records, opts.keys, opts.batch, 64))
-                else:
-                    events = opts.events or EVENTS[workload]
-                    if not opts.latency_only:
-                        runs.append(run_nexmark(workload, workers, events, opts.batch, opts.epoch_batches))
-                    if not opts.no_latency:
-                        lat.append(run_latency(workload, workers, opts.rate, opts.duration))
-                time.sleep(0.5)  # let the previous run's processes go
-            p50 = statistics.median(x[0] for x in lat) if lat else None
-            p99 = statistics.median(x[1] for x in lat) if lat else None
-            per_round = statistics.median(x[2] for x in lat) if lat else None
-            if not runs:  # --latency-only
-                print(f"{workload:<9} {workers:>7} {'-':>12} {'-':>12} {'-':>11} {'-':>5} {'-':>6} "
-                      f"{_fmt_ms(p50):>9} {_fmt_ms(p99):>9} {_fmt_us(per_round):>9} {factors[workers]:>7.2f}x", flush=True)
-                continue
-            rate = statistics.median(r.rate for r in runs)
-            per_cpu = statistics.median(r.per_cpu_s for r in runs)
-            if workers == 2:
-                base = per_cpu
-            share = f"{per_cpu / base:.0%}" if base and workers > 2 else "-"
-            print(f"{workload:<9} {workers:>7} {rate:>12,.0f} {rate / workers:>12,.0f} {per_cpu:>11,.0f} {share:>5} "
-                  f"{statistics.median(r.cpu for r in runs):>6.1f} {_fmt_ms(p50):>9} {_fmt_ms(p99):>9} "
-                  f"{_fmt_us(per_round):>9} {factors[workers]:>7.2f}x", flush=True)
+                for progress in modes:  # alternating: a drift of the machine's load falls on every mode
+                    runs, lat = got[progress]
+                    if workload == "count":
+                        runs.append(run_count(workers, opts.records, opts.keys, opts.batch, 64, progress))
+                    else:
+                        events = opts.events or EVENTS[workload]
+                        if not opts.latency_only:
+                            runs.append(run_nexmark(workload, workers, events, opts.batch, opts.epoch_batches,
+                                                    progress))
+                        if not opts.no_latency:
+                            lat.append(run_latency(workload, workers, opts.rate, opts.duration, progress))
+                    time.sleep(0.5)  # let the previous run's processes go
+            for progress in modes:
+                _print_row(workload, workers, progress, *got[progress], base, factors[workers])
+
+
+def _print_row(workload: str, workers: int, progress: str, runs: list[Figures], lat: list[tuple[float, float, float]],
+               base: dict[str, float], factor: float) -> None:
+    """One configuration's medians (``base``: records per CPU-second at 2 workers, by mode)."""
+    p50 = statistics.median(x[0] for x in lat) if lat else None
+    p99 = statistics.median(x[1] for x in lat) if lat else None
+    per_round = statistics.median(x[2] for x in lat) if lat else None
+    if not runs:  # --latency-only
+        print(f"{workload:<9} {workers:>7} {progress:>8} {'-':>12} {'-':>12} {'-':>11} {'-':>5} {'-':>6} "
+              f"{_fmt_ms(p50):>9} {_fmt_ms(p99):>9} {_fmt_us(per_round):>9} {factor:>7.2f}x", flush=True)
+        return
+    rate = statistics.median(r.rate for r in runs)
+    per_cpu = statistics.median(r.per_cpu_s for r in runs)
+    if workers == 2:
+        base[progress] = per_cpu
+    share = f"{per_cpu / base[progress]:.0%}" if progress in base and workers > 2 else "-"
+    print(f"{workload:<9} {workers:>7} {progress:>8} {rate:>12,.0f} {rate / workers:>12,.0f} {per_cpu:>11,.0f} "
+          f"{share:>5} {statistics.median(r.cpu for r in runs):>6.1f} {_fmt_ms(p50):>9} {_fmt_ms(p99):>9} "
+          f"{_fmt_us(per_round):>9} {factor:>7.2f}x", flush=True)
 
 
 if __name__ == "__main__":

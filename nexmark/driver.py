@@ -72,6 +72,7 @@ class Spec:
     skew: float = 0.5  # migrations: the fraction of its bins each odd worker gives away (0.5: 25% of all)
     checkpoint: str | None = None  # take checkpoints there (timely.checkpoint): Megaphone's bins
     checkpoint_every: int = 1000  # epochs (of 1 ms) between checkpoints
+    progress_mode: str = "direct"  # how progress travels between the workers (timely.execute's progress)
 
     def config(self) -> Config:
         """The generator configuration."""
@@ -313,4 +314,5 @@ def run(spec: Spec, *, start: str = "fork", timeout: float | None = None) -> lis
     ``timeout`` are ``timely.execute``'s: ``start="spawn"`` makes every worker a fresh interpreter,
     so that its memory readings are its own run's."""
     return timely.execute(functools.partial(worker_main, spec), workers=spec.workers, start=start, timeout=timeout,
-                          checkpoint=spec.checkpoint, checkpoint_every=spec.checkpoint_every)
+                          checkpoint=spec.checkpoint, checkpoint_every=spec.checkpoint_every,
+                          progress=spec.progress_mode)

@@ -43,10 +43,10 @@ __all__ = ["FUZZ_SEEDS", "WORKER_COUNTS", "WORKER_IDS", "bag", "examples", "norm
            "workers_param"]
 
 
-def run(main, workers: int, fuzz: int | None = None) -> list:
-    """``timely.execute(main, workers=workers, fuzz=fuzz)``: one result per worker, by index
-    (``fuzz=SEED``: under the schedule fuzzer, see :mod:`timely.dataflow.fuzz`)."""
-    return timely.execute(main, workers=workers, fuzz=fuzz)
+def run(main, workers: int, fuzz: int | None = None, progress: str = "direct") -> list:
+    """``timely.execute(main, workers=workers, fuzz=fuzz, progress=progress)``: one result per
+    worker, by index (``fuzz=SEED``: under the schedule fuzzer, see :mod:`timely.dataflow.fuzz`)."""
+    return timely.execute(main, workers=workers, fuzz=fuzz, progress=progress)
 
 
 @pytest.fixture

@@ -84,10 +84,10 @@ def megaphone_job(epochs, moves, k: int, build, inputs: int = 1, driver=drive):
     return main
 
 
-def run_normalized(main, workers: int, fuzz: int | None = None) -> list:
-    """:func:`run` (under the schedule fuzzer seeded ``fuzz`` if given), each worker's
-    ``(output, owned)`` normalised (lists become tuples)."""
-    return [(norm(r[0]), norm(r[1])) for r in run(main, workers, fuzz)]
+def run_normalized(main, workers: int, fuzz: int | None = None, progress: str = "direct") -> list:
+    """:func:`run` (under the schedule fuzzer seeded ``fuzz`` if given, in ``progress`` mode), each
+    worker's ``(output, owned)`` normalised (lists become tuples)."""
+    return [(norm(r[0]), norm(r[1])) for r in run(main, workers, fuzz, progress)]
 
 
 def check_ownership(results, peers: int, k: int):
@@ -148,19 +148,20 @@ def summarise_sm(results):
     return Counter({(t, key, max(s), len(s)): 1 for (t, key), s in per.items()})
 
 
-def check_state_machine(workers, data, fuzz=None):
+def check_state_machine(workers, data, fuzz=None, progress="direct"):
     """A running sum per key under random migrations equals the sequential oracle and the same job
-    without migration; bins are where the table says (``fuzz``: under the schedule fuzzer)."""
+    without migration; bins are where the table says (``fuzz``: under the schedule fuzzer;
+    ``progress``: the workers' progress mode)."""
     k = data.draw(st.integers(1, 5), label="k")
     n = data.draw(st.integers(1, 5), label="epochs")
     epochs = [(data.draw(records, label=f"records{e}"),) for e in range(n)]
     moves = draw_moves(data, k, workers, n)
-    results = run_normalized(sm_job(epochs, moves, k), workers, fuzz)
+    results = run_normalized(sm_job(epochs, moves, k), workers, fuzz, progress)
     expected = running_counts(epochs)
     assert summarise_sm(results) == expected
     check_ownership(results, workers, k)
     # The same job without migration gives the same outputs.
-    plain = run_normalized(sm_job(epochs, [{}] * n, k), workers, fuzz)
+    plain = run_normalized(sm_job(epochs, [{}] * n, k), workers, fuzz, progress)
     assert summarise_sm(plain) == summarise_sm(results)
 
 
@@ -170,15 +171,16 @@ def test_state_machine_with_random_migrations(workers, data):
     check_state_machine(workers, data)
 
 
-def check_pipelined_migrations(workers, data, fuzz=None):
+def check_pipelined_migrations(workers, data, fuzz=None, progress="direct"):
     """Moves compiled while earlier epochs are still in flight complete (F wakes on S's output
     frontier, megaphone.route.ExtractionWaker) and the running sums equal the sequential oracle;
-    at the end every bin is on the worker the table names (``fuzz``: under the schedule fuzzer)."""
+    at the end every bin is on the worker the table names (``fuzz``: under the schedule fuzzer;
+    ``progress``: the workers' progress mode)."""
     k = data.draw(st.integers(1, 5), label="k")
     n = data.draw(st.integers(2, 6), label="epochs")
     epochs = [(data.draw(records, label=f"records{e}"),) for e in range(n)]
     moves = [{}] + draw_moves(data, k, workers, n - 1)  # nothing at epoch 0: S has an epoch to finish first
-    results = run_normalized(sm_job(epochs, moves, k, driver=drive_pipelined), workers, fuzz)
+    results = run_normalized(sm_job(epochs, moves, k, driver=drive_pipelined), workers, fuzz, progress)
     assert summarise_sm(results) == running_counts(epochs)
     check_ownership(results, workers, k)
 

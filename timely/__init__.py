@@ -71,7 +71,7 @@ __all__ = [
 def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str] | None = None, *,
             timeout: float | None = None, start: str = "fork", fuzz: int | None = None,
             watchdog: float | None = None, secret: str | JobSecret | None = None, checkpoint: str | None = None,
-            checkpoint_every: int = 10, restarts: int = 0) -> list[Any]:
+            checkpoint_every: int = 10, restarts: int = 0, progress: str = "direct") -> list[Any]:
     """Run ``main(worker)`` on ``workers`` workers; return each worker's result, by index.
 
     Workers are processes exchanging data over ZeroMQ, started by ``start``: ``"fork"`` (the
@@ -101,6 +101,10 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
     epochs (:mod:`timely.checkpoint`; ``worker.checkpoint``); a failed run is then started again,
     up to ``restarts`` times, every worker resuming from the latest complete checkpoint (one line
     per restart on stderr; ``restarts`` needs ``checkpoint``: :class:`ValueError` otherwise).
+    ``progress="relay"`` sends every worker's progress through worker 0, which forwards it, several
+    batches to a message, instead of to every worker (``"direct"``, the default): linear instead of
+    quadratic progress messages in the number of workers, for one more hop (:class:`ValueError`
+    for another value).
     """
     from .comm.secret import resolve  # (ZeroMQ: only when a job runs)
 
@@ -115,10 +119,11 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
     if workers == 1 and start == "fork" and timeout is None and not restarts:
         alloc = ThreadAllocator()
         try:
-            return [Worker(alloc, args or [], fuzz, watchdog, secret=job_secret, checkpoint=config).run(main)]
+            return [Worker(alloc, args or [], fuzz, watchdog, secret=job_secret, checkpoint=config,
+                           progress=progress).run(main)]
         finally:
             alloc.close()
     from .cluster import execute_cluster  # validates workers, timeout and start
 
     return execute_cluster(main, workers, args or [], timeout=timeout, start=start, fuzz=fuzz, watchdog=watchdog,
-                           secret=job_secret, checkpoint=config, restarts=restarts)
+                           secret=job_secret, checkpoint=config, restarts=restarts, progress=progress)

@@ -486,14 +486,15 @@ def primary_failure(outcomes: list[Outcome]) -> Outcome:
 def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: list[str], token: str,
                args: Sequence[str], report: Callable[[Any], None], fuzz: int | None = None,
                watchdog: float | None = None, watchdog_warn: bool = False, secret: JobSecret | None = None,
-               checkpoint: CheckpointConfig | None = None, **options: Any) -> None:
+               checkpoint: CheckpointConfig | None = None, progress: str = "direct", **options: Any) -> None:
     """The per-process run sequence: allocator -> ``Worker`` -> ``main`` -> ``finish`` -> report -> close.
 
     ``fuzz`` seeds the worker's schedule fuzzer (``None``: none); ``watchdog`` (seconds) and
     ``watchdog_warn`` configure its stuck-operator watchdog. ``secret`` (the job secret, or
     ``None``) secures the worker-to-worker links and becomes :attr:`Worker.secret
     <timely.worker.Worker.secret>`, for the job's own servers. ``checkpoint`` configures the
-    worker's checkpoints (:attr:`Worker.checkpoint <timely.worker.Worker.checkpoint>`). On failure the allocator is closed
+    worker's checkpoints (:attr:`Worker.checkpoint <timely.worker.Worker.checkpoint>`); ``progress``
+    is the :class:`~timely.worker.Worker`'s (``"direct"`` or ``"relay"``). On failure the allocator is closed
     with ``abort`` so the peers learn at once which worker failed.
     """
     from .comm.zmq_allocator import ZmqAllocator
@@ -507,7 +508,7 @@ def run_worker(main: Callable[[Any], Any], index: int, peers: int, endpoints: li
     try:
         job_id = hashlib.sha256(b"timely-job/" + token.encode()).hexdigest()[:32]  # the token stays secret
         report(Worker(alloc, list(args), fuzz, watchdog, watchdog_warn, secret=secret, job_id=job_id,
-                      checkpoint=checkpoint).run(main))
+                      checkpoint=checkpoint, progress=progress).run(main))
     except BaseException as exc:
         reason = "stopped" if isinstance(exc, _Stopped) else f"{type(exc).__name__}: {exc}"
         alloc.close(abort=reason)
@@ -541,7 +542,7 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
                     transport: str = "ipc", timeout: float | None = None, grace: float = STOP_GRACE,
                     start: str = "fork", fuzz: int | None = None, watchdog: float | None = None,
                     secret: str | JobSecret | None = None, checkpoint: CheckpointConfig | None = None,
-                    restarts: int = 0, **options: Any) -> list[Any]:
+                    restarts: int = 0, progress: str = "direct", **options: Any) -> list[Any]:
     """Run ``main(worker)`` in ``workers`` processes on this host; return each result by index.
 
     Results must be picklable. ``transport`` is ``"ipc"`` (Unix sockets in a private temporary
@@ -551,7 +552,8 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
     stuck-operator limit in seconds (:mod:`timely.watchdog`). ``secret`` is the job secret (its
     text or a :class:`~timely.comm.secret.JobSecret`; ``None``: from the environment, see
     :func:`~timely.comm.secret.resolve`): the workers' links use CURVE, and every worker's
-    :attr:`~timely.worker.Worker.secret` is it. ``options`` go to the
+    :attr:`~timely.worker.Worker.secret` is it. ``progress`` is how progress travels (``"direct"``
+    or ``"relay"``, :class:`~timely.worker.Worker`). ``options`` go to the
     :class:`~timely.comm.zmq_allocator.ZmqAllocator`. With ``checkpoint``, the workers take
     checkpoints, and up to ``restarts`` times a failed run is started again from the latest one
     (:mod:`timely.recovery`; one line per restart on stderr). Raises :class:`WorkerError` naming the first
@@ -561,8 +563,13 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
         raise ValueError(f"workers must be at least 1, not {workers}")
     if start == "spawn":
         _require_picklable(main, "main")
+    from .dataflow.dataflow import PROGRESS_MODES
+
+    if progress not in PROGRESS_MODES:
+        raise ValueError(f"progress must be one of {', '.join(map(repr, PROGRESS_MODES))}, not {progress!r}")
     token = secrets.token_hex(16)
     options["secret"] = resolve(secret)
+    options["progress"] = progress
     from .recovery import run_restarting
 
     with local_endpoints(workers, transport) as endpoints:

@@ -161,6 +161,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stopped-grace", type=float, default=STOPPED_GRACE, metavar="S",
                    help="end the job when a worker stays stopped (SIGSTOP/SIGTSTP) longer than S seconds "
                         f"(default {STOPPED_GRACE:g}); a stop of the whole job (Ctrl-Z, then fg) is not one")
+    p.add_argument("--progress", choices=["direct", "relay"], default="direct",
+                   help="how progress travels: direct (every worker sends its progress to every worker, the "
+                        "default) or relay (through worker 0, which forwards it, several batches to a message: "
+                        "2(N-1) progress messages per round instead of N(N-1), for one more hop); every host "
+                        "must use the same")
     ck = p.add_argument_group("checkpoints and recovery")
     ck.add_argument("--checkpoint", metavar="DIR",
                     help="take checkpoints in DIR (a directory or an fsspec URL) and resume from the latest one found "
@@ -350,6 +355,7 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
             raise JobFileError(f"{job}: main is {type(job_main).__name__} {job_main!r:.60}, not a function of the worker")
         run_worker(job_main, index, peers, endpoints, token, job_args, lambda _result: report(None),
                    opts.fuzz, opts.watchdog, opts.watchdog_warn, secret, checkpoint=config, bind=bind.get(index),
+                   progress=opts.progress,
                    **alloc_options)
 
     def on_sigterm(signum: int, frame: Any) -> None:

@@ -48,7 +48,8 @@ def _sorted(records: list) -> list:
 
 
 def run_epochs(build: Callable[[Stream], Stream], epochs: Sequence[Iterable[Any]], workers: int = 1,
-               timeout: float = DEFAULT_TIMEOUT, fuzz: int | None = None) -> list[tuple[Any, list]]:
+               timeout: float = DEFAULT_TIMEOUT, fuzz: int | None = None, progress: str = "direct"
+               ) -> list[tuple[Any, list]]:
     """Feed ``epochs[e]`` at epoch ``e`` into ``build(stream)`` on ``workers`` workers; return the
     output as ``[(time, sorted records), ...]`` in time order, merged over all workers.
 
@@ -57,7 +58,8 @@ def run_epochs(build: Callable[[Stream], Stream], epochs: Sequence[Iterable[Any]
     :class:`TimeoutError` if the dataflow has not completed ``timeout`` seconds after the last
     epoch was closed, and the worker's error if the dataflow fails. ``fuzz=SEED`` runs it under
     the schedule fuzzer (see :func:`timely.execute`): an operator that is correct only for some
-    orders of delivery fails for some seed.
+    orders of delivery fails for some seed. ``progress`` is the workers' progress mode
+    (``"direct"`` or ``"relay"``, see :func:`timely.execute`).
     """
     batches = [list(records) for records in epochs]
 
@@ -78,7 +80,7 @@ def run_epochs(build: Callable[[Stream], Stream], epochs: Sequence[Iterable[Any]
         return captured.batches
 
     by_time: dict[Any, list] = defaultdict(list)
-    for result in execute(main, workers=workers, fuzz=fuzz):
+    for result in execute(main, workers=workers, fuzz=fuzz, progress=progress):
         for time, records in result:
             by_time[normalize(time)].extend(normalize(r) for r in records)
     return [(t, _sorted(by_time[t])) for t in sorted(by_time)]

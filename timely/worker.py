@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .collector import batch_gc
 from .comm.allocator import Allocator
-from .dataflow.dataflow import Dataflow
+from .dataflow.dataflow import PROGRESS_MODES, Dataflow
 from .dataflow.fuzz import Fuzzer
 from .dataflow.input import InputHandle
 from .dataflow.scope import Scope
@@ -31,13 +31,19 @@ class Worker:
     Build dataflows with ``with worker.dataflow() as scope: ...``, then drive them with
     :meth:`step` / :meth:`step_while`. Every worker must build the same dataflows in the same order.
     ``secret`` is the job secret (:attr:`secret`). ``checkpoint`` configures checkpoints
-    (:attr:`checkpoint`).
+    (:attr:`checkpoint`). ``progress`` is how progress batches travel between the workers:
+    ``"direct"`` (the default: each worker sends its batches to every worker) or ``"relay"`` (each
+    worker sends them to worker 0, which forwards them, several to a message: 2(w - 1) messages
+    per round of flushes instead of w(w - 1), for one more hop); every worker must use the same.
     """
 
     def __init__(self, allocator: Allocator, args: Sequence[str] = (), fuzz: int | None = None,
                  watchdog: float | None = None, watchdog_warn: bool = False, *,
                  secret: JobSecret | None = None, job_id: str | None = None,
-                 checkpoint: CheckpointConfig | None = None) -> None:
+                 checkpoint: CheckpointConfig | None = None, progress: str = "direct") -> None:
+        if progress not in PROGRESS_MODES:
+            raise ValueError(f"progress must be one of {', '.join(map(repr, PROGRESS_MODES))}, not {progress!r}")
+        self.progress = progress
         self.allocator = allocator
         self._secret = secret
         self._job_id = job_id or uuid.uuid4().hex

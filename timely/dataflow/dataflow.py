@@ -25,6 +25,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Steps records and progress may wait to be sent, however busy the worker.
 FLUSH_STEPS = 16
+#: How a worker's progress batches reach the other workers (``Worker(progress=...)``, ``--progress``):
+#: ``"direct"`` sends each batch to every worker (timely's broadcast: w - 1 messages per worker and
+#: round of flushes, w(w - 1) in all); ``"relay"`` sends it to worker :data:`RELAY` only, which
+#: forwards the batches it received, several to a message, to every other worker: 2(w - 1) in all.
+PROGRESS_MODES = ("direct", "relay")
+#: The worker that relays progress in ``"relay"`` mode.
+RELAY = 0
 
 
 class Dataflow:
@@ -51,6 +58,9 @@ class Dataflow:
         self._received = [0] * self.peers  # next sequence number expected from each worker
         # The progress channel is allocated first, so its id is the same on every worker.
         self._progress_pushers, self._progress_puller = worker.allocate(worker.new_channel())
+        # Relaying pays only with three workers or more: with two, the relay forwards to no one.
+        self._relay = RELAY if worker.progress == "relay" and self.peers > 2 else None
+        self._forward: list[tuple[tuple, list]] = []  # at the relay: others' batches to pass on, in arrival order
 
     # -- build phase -------------------------------------------------------------------------
     def add_operator(self, name: str) -> OperatorCore:
@@ -184,10 +194,14 @@ class Dataflow:
         # stay large, and their number per step small, even where each step changes little
         # (sparse streams, many peers). Invariant (ARCHITECTURE 2.2): the progress of several
         # steps is still sent as one whole batch; it is only later, as if the network were slower.
-        if self.ctx.pending or not self.progress.is_empty():
+        forward = bool(self._forward)
+        if self.ctx.pending or not self.progress.is_empty() or forward:
             self._quiet_steps += 1
             fuzzer = self.fuzzer
-            if not ran or self._quiet_steps >= FLUSH_STEPS or fuzzer is not None and fuzzer.send_now():
+            # The relay passes batches on in the step that received them (every other worker's
+            # frontiers wait for them), however busy it is; under the fuzzer, at random steps.
+            if (not ran or self._quiet_steps >= FLUSH_STEPS or forward and fuzzer is None
+                    or fuzzer is not None and fuzzer.send_now()):
                 self._quiet_steps = 0
                 # One message per peer for the whole flush (every channel's records, then the
                 # progress), not one per channel and peer: at 16 workers a flush would otherwise
@@ -197,7 +211,7 @@ class Dataflow:
                 alloc.cork()
                 try:
                     self._flush_channels()
-                    if not self.progress.is_empty():
+                    if not self.progress.is_empty() or self._forward:
                         did = True
                         self._send_progress([(loc.node, loc.port, loc.source, t, d)
                                              for (loc, t), d in self.progress.drain()])
@@ -207,7 +221,11 @@ class Dataflow:
 
     def _send_progress(self, updates: list) -> None:
         """Broadcast this step's progress batch ``((digest, sender, seq), updates)``, encoded once for
-        every other worker (a step's cost then grows with the peers only by the copies sent)."""
+        every other worker (a step's cost then grows with the peers only by the copies sent); in
+        ``"relay"`` mode, see :meth:`_relay_progress`."""
+        if self._relay is not None:
+            self._relay_progress(self._relay, updates)
+            return
         head = (self.digest, self.index, self._sent)
         self._sent += 1
         bodies = None
@@ -218,6 +236,34 @@ class Dataflow:
                 if bodies is None:
                     bodies = [pusher.encode_items(updates)]
                 pusher.push_items(head, bodies, len(updates))
+
+    def _relay_progress(self, relay: int, updates: list) -> None:
+        """``"relay"`` mode: our batch (if ``updates``) goes to us and to the relay only; the relay
+        sends its own and the batches it received since its last flush to every other worker as one
+        ``(None, batches)`` message, encoded once (each receiver skips its own batches, which it
+        applied when it sent them).
+
+        Invariant (ARCHITECTURE 2.3) kept: every batch still arrives whole and exactly once at every
+        worker, and in its sender's order: the relay forwards in the order it received, which is
+        each sender's order, and its own batches join the same sequence."""
+        batches = self._forward
+        if updates:
+            head = (self.digest, self.index, self._sent)
+            self._sent += 1
+            self._progress_pushers[self.index].push((head, updates))
+            if self.index != relay:
+                self._progress_pushers[relay].push((head, updates))
+                return
+            batches.append((head, updates))
+        if not batches:
+            return
+        self._forward = []
+        body = None
+        for worker, pusher in enumerate(self._progress_pushers):
+            if worker != self.index:
+                if body is None:
+                    body = [pusher.encode_items(batches)]
+                pusher.push_items(None, body, len(batches))
 
     def _flush_channels(self) -> None:
         """Send the records channels gathered."""
@@ -230,6 +276,10 @@ class Dataflow:
         messages = self._progress_puller.drain()
         tracker = self.tracker
         assert tracker is not None
+        if self._relay is not None:
+            messages = self._relayed(messages)
+        elif any(head is None for head, _ in messages):
+            raise ProgressMismatchError(self._mode_mismatch("relayed progress from worker 0"))
         for (digest, sender, seq), updates in messages:
             if digest != self.digest:
                 raise ProgressMismatchError(
@@ -246,6 +296,28 @@ class Dataflow:
             tracker.update_batch(((Location(n, p, s), t), d) for n, p, s, t, d in updates)
         return bool(messages)
 
+    def _relayed(self, messages: list) -> list:
+        """``"relay"`` mode: the batches of ``messages`` to apply, in order: a relay's
+        ``(None, batches)`` message holds several (less our own); the relay keeps the others'
+        batches it receives to pass them on."""
+        batches: list = []
+        me = self.index
+        forward = self._forward if me == self._relay else None
+        for head, body in messages:
+            if head is None:
+                batches.extend(b for b in body if b[0][1] != me)
+            else:
+                if forward is None and head[1] != me:  # only the relay hears from others directly
+                    raise ProgressMismatchError(self._mode_mismatch(f"progress straight from worker {head[1]}"))
+                batches.append((head, body))
+                if forward is not None and head[1] != me:
+                    forward.append((head, body))
+        return batches
+
+    def _mode_mismatch(self, what: str) -> str:
+        return (f"dataflow '{self.name}': worker {self.index} (progress mode '{self.worker.progress}') received "
+                f"{what}: every worker must use the same progress mode (--progress)")
+
     def never_built_by(self, finished: Iterable[int]) -> list[int]:
         """Of the ``finished`` workers, those that sent no progress for this incomplete dataflow.
 
@@ -255,11 +327,17 @@ class Dataflow:
         """
         if self.complete() or not self.operators:
             return []
+        if self._relay is not None and self.index != self._relay and self._relay not in finished:
+            # Others' batches reach us through the relay, on another connection than their
+            # goodbye: only once the relay has finished has everything it forwarded arrived (and
+            # the relay itself judges a worker that never built the dataflow).
+            return []
         return sorted(p for p in finished if p != self.index and self._received[p] == 0)
 
     def busy(self) -> bool:
         """True when operators are waiting to run, or records or progress wait to be sent."""
         return (bool(self.ctx.activations.active) or not self.progress.is_empty() or bool(self.ctx.pending)
+                or bool(self._forward)
                 or self.fuzzer is not None and self.fuzzer.holding())
 
     def complete(self) -> bool:
@@ -268,5 +346,6 @@ class Dataflow:
             self.tracker is not None
             and not self.tracker.tracking_anything()
             and self.progress.is_empty()
+            and not self._forward
             and not self.ctx.activations.active
         )
