@@ -443,9 +443,17 @@ class PreCopier:
                     "bytes": c.rbytes, "pending": len(self._reached(c))}
                 for b, c in self.copies.items() if c.replica}
 
-    def step(self, out: OperatorOutput) -> float | None:
-        """Send chunks for at most :attr:`budget` seconds, unless the rate limit says wait; the
-        seconds after which to come back while some copy still has chunks, else None.
+    def step(self, out: OperatorOutput, busy: bool = False) -> tuple[float, float | None] | None:
+        """Send chunks for at most :attr:`budget` seconds, unless the rate limit says wait, or the
+        worker is ``busy`` (records came in this activation: they go first); while some copy still
+        has chunks, ``(idle, latest)``: come back on an idle worker after ``idle`` seconds, and
+        after ``latest`` seconds (``None``: as already asked) even if the worker is never idle.
+
+        When: a slice runs when the worker has nothing else to do (``Activator.activate_when_idle``),
+        so that no record waits behind it, except a record that arrives during it (at most
+        :attr:`budget`). A slice that has waited :attr:`budget` / :attr:`share` beyond the rate
+        limit for an idle worker runs at the next activation all the same: a worker that is never
+        idle still copies at about :attr:`share`.
 
         The rate limit: a slice of ``spent`` seconds is followed by ``spent / share - spent`` without
         copying, where ``share`` is :attr:`share` or, if more, :data:`IDLE_FRACTION` of the share of
@@ -455,18 +463,24 @@ class PreCopier:
         ``MAX_SHARE / share`` times as fast (5x by default), in slices of :attr:`budget` that delay a record by at most that."""
         began = _time.perf_counter()
         if began < self.resume:
-            return self.resume - began
+            return self.resume - began, None
+        if busy and began < self.resume + self.budget / self.share:
+            return 0.0, None
         share = self.share
         last = self._slice_end
         times = _thread_times()
         if last is not None and last[1] is not None and times is not None:
             share = paced_share(share, began - last[0], (times[0] - last[1][0]) + (times[1] - last[1][1]))
         try:
-            return self._send(out, began)
+            more = self._send(out, began)
         finally:
             end = _time.perf_counter()
             self.resume = began + (end - began) / share  # this slice, then (1 - share) of idle copying
             self._slice_end = (end, _thread_times())
+        if more is None:
+            return None
+        wait = self.resume - end
+        return wait, wait + self.budget / self.share
 
     def _send(self, out: OperatorOutput, began: float) -> float | None:
         codec = self.shared.codec

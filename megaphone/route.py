@@ -75,8 +75,10 @@ class RoutingOperator:
         # 4. New data: route now if the configuration at its time is final, else stash it (ARCHITECTURE 5.3).
         #    The replicas' refreshes, when due, go at the time of the first record (megaphone.precopy).
         refresh = self.precopier.refresh_due()
+        routed = False
         for i, inp in enumerate(data_in):
             for cap, batch in inp:
+                routed = True
                 t = cap.time
                 if refresh:
                     refresh = False
@@ -100,11 +102,15 @@ class RoutingOperator:
                     for batch in batches[i]:
                         data_out[i].give_batch(caps[i], batch)
                     caps[i].drop()
-        # 6. Copy ahead for a bounded time; come back while copies have chunks left.
+        # 6. Copy ahead for a bounded time, on an idle worker (records first); come back while
+        #    copies have chunks left.
         if self.precopier.sending:
-            again = self.precopier.step(copy_out)
+            again = self.precopier.step(copy_out, busy=routed)
             if again is not None:
-                self.activator.activate_after(again)
+                idle, latest = again
+                self.activator.activate_after(idle, when_idle=True)
+                if latest is not None:
+                    self.activator.activate_after(latest)
         # Forget configurations no record can be routed by any more.
         # (Stashed records were consumed already: their times bound the horizon too.)
         low = [t for p in data_in for t in p.frontier] + list(self.stash)

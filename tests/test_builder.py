@@ -112,6 +112,50 @@ def test_the_activator_schedules_an_operator_from_outside():
     assert runs == [0, 0, 0] and out == [(0, ["done"])]
 
 
+def test_an_operator_scheduled_for_an_idle_worker_runs_after_the_busy_steps_and_before_parking():
+    """``activate_when_idle``: the operator waits while other operators keep the worker busy and
+    runs at the first step after one that did nothing, even with a step that may park; a timer
+    ``when_idle`` hands it to the same wait once due."""
+    def main(worker):
+        log = []
+        with worker.dataflow() as scope:
+            busy = OperatorBuilder(scope, "Busy")
+            busy.new_output()
+            background = OperatorBuilder(scope, "Background")
+            background.new_output()
+
+            def busy_ctor(caps):
+                caps[0].drop()
+                left = [5]
+
+                def logic():
+                    if left[0]:
+                        left[0] -= 1
+                        log.append("busy")
+                        busy.activator.activate()  # again at the next step
+                return logic
+
+            def background_ctor(caps):
+                held = caps[0]
+
+                def logic():
+                    log.append("idle")
+                    if log.count("idle") == 1:
+                        background.activator.activate_after(0.05, when_idle=True)
+                    else:
+                        held.drop()
+                return logic
+
+            busy.build(busy_ctor)
+            background.build(background_ctor)
+            busy.activator.activate()
+            background.activator.activate_when_idle()
+        worker.step_while(worker.has_dataflows, timeout=10)
+        return log
+
+    assert timely.execute(main)[0] == ["busy"] * 5 + ["idle", "idle"]
+
+
 def test_frontier_views_are_live_and_read_only():
     def main(worker):
         with worker.dataflow() as scope:

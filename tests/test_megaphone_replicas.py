@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import pickle
 import random
+import time as _time
 
 import pytest
 from hypothesis import given, settings
@@ -347,3 +348,23 @@ def test_a_batched_rebalance_onto_replicas_equals_the_sequential_count(seed, wor
     assert all(r["table"] == target for r in results)
     if fuzz is None:
         assert sum(e["modes"].get("delta", 0) for r in results for e in r["events"] if e["kind"] == "extract") > 0
+
+
+def test_copy_slices_wait_for_an_idle_worker_unless_overdue():
+    """A worker that routed records in this activation (``busy``) sends no copy chunk and asks to
+    come back when idle, until the slice is ``budget / share`` overdue; an idle one sends at once.
+    After a slice, it names both the idle wait and the latest time to come back."""
+    owner = Shared("model", 1, 0, 2)
+    for key in range(100_000):  # more than one slice of 1 ms sends
+        owner.bins[0].state[key] = [key]
+    edge = Edge()
+    f = PreCopier(owner, chunk=3, budget=0.001, min_entries=0, share=0.5)
+    f.start(0, 1, Cap(edge, 1), edge)
+    f.resume = _time.perf_counter()  # the rate limit allows a slice from now on
+    assert f.step(edge, busy=True) == (0.0, None) and edge.flight == []  # records first
+    idle, latest = f.step(edge, busy=False)
+    assert edge.flight and latest is not None and latest == pytest.approx(idle + 0.001 / 0.5)
+    sent = len(edge.flight)
+    assert f.step(edge, busy=True)[1] is None and len(edge.flight) == sent  # within the rate limit: waits
+    f.resume = _time.perf_counter() - 0.001 / 0.5 - 0.001  # waited for an idle worker too long
+    assert f.step(edge, busy=True) is not None and len(edge.flight) > sent  # copies all the same

@@ -148,7 +148,11 @@ class Worker:
         if any(df.complete() for df in self._dataflows):
             self.metrics.retire([df for df in self._dataflows if df.complete()])  # their final counts
             self._dataflows = [df for df in self._dataflows if not df.complete()]
-        if not did and timeout != 0 and not any(df.busy() for df in self._dataflows):
+        if not did and not any(df.busy() for df in self._dataflows):
+            # Idle: first the operators that asked to run on an idle worker (the next step runs
+            # them), then, with nothing left, the park.
+            if any([df.wake_idle() for df in self._dataflows]) or timeout == 0:
+                return bool(self._dataflows)
             if finished:
                 self._check_built(finished)
             timers = [t for t in (df.next_timer() for df in self._dataflows) if t is not None]

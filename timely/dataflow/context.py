@@ -18,14 +18,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class Activations:
-    """The operators scheduled to run: a min-heap of operator indices, plus delayed activations."""
+    """The operators scheduled to run: a min-heap of operator indices, plus delayed activations and
+    the operators waiting for the worker to be idle."""
 
-    __slots__ = ("active", "_active_set", "_timers")
+    __slots__ = ("active", "_active_set", "_timers", "_idle")
 
     def __init__(self) -> None:
         self.active: list[int] = []  # heap of operator indices
         self._active_set: set[int] = set()
-        self._timers: list[tuple[float, int]] = []  # heap of (monotonic deadline, operator index)
+        self._timers: list[tuple[float, int, bool]] = []  # heap of (monotonic deadline, operator index, when idle)
+        self._idle: set[int] = set()  # to run once the worker has nothing else to do
 
     def activate(self, index: int) -> None:
         """Schedule operator ``index`` (once, however often it is asked)."""
@@ -33,9 +35,24 @@ class Activations:
             self._active_set.add(index)
             heapq.heappush(self.active, index)
 
-    def activate_after(self, index: int, delay: float) -> None:
-        """Schedule operator ``index`` once ``delay`` seconds have passed."""
-        heapq.heappush(self._timers, (_time.monotonic() + delay, index))
+    def activate_after(self, index: int, delay: float, when_idle: bool = False) -> None:
+        """Schedule operator ``index`` once ``delay`` seconds have passed (``when_idle``: then
+        :meth:`activate_when_idle`)."""
+        heapq.heappush(self._timers, (_time.monotonic() + delay, index, when_idle))
+
+    def activate_when_idle(self, index: int) -> None:
+        """Schedule operator ``index`` once the worker has nothing else to do: at the first step
+        after one that ran no operator and left nothing to send (:meth:`wake_idle`)."""
+        self._idle.add(index)
+
+    def wake_idle(self) -> bool:
+        """Schedule the operators waiting for an idle worker; True if there were any."""
+        if not self._idle:
+            return False
+        for i in self._idle:
+            self.activate(i)
+        self._idle.clear()
+        return True
 
     def fire_timers(self) -> None:
         """Schedule every operator whose delay has passed."""
@@ -43,7 +60,11 @@ class Activations:
         if timers:
             now = _time.monotonic()
             while timers and timers[0][0] <= now:
-                self.activate(heapq.heappop(timers)[1])
+                _, index, when_idle = heapq.heappop(timers)
+                if when_idle:
+                    self._idle.add(index)
+                else:
+                    self.activate(index)
 
     def next_timer(self) -> float | None:
         """Seconds until the next delayed activation (None: no timer pending)."""
@@ -83,9 +104,17 @@ class Activator:
         """Schedule the operator in the current or the next step."""
         self._activations.activate(self.index)
 
-    def activate_after(self, delay: float) -> None:
-        """Schedule the operator once ``delay`` seconds have passed (the worker parks until then)."""
-        self._activations.activate_after(self.index, delay)
+    def activate_after(self, delay: float, when_idle: bool = False) -> None:
+        """Schedule the operator once ``delay`` seconds have passed (the worker parks until then);
+        ``when_idle``: then as :meth:`activate_when_idle`."""
+        self._activations.activate_after(self.index, delay, when_idle)
+
+    def activate_when_idle(self) -> None:
+        """Schedule the operator once the worker has nothing else to do: after the steps that
+        handle what has arrived and send what they produced, before the worker would park.
+        Background work (a state copy) then waits for no record, but it never runs while the
+        worker stays busy."""
+        self._activations.activate_when_idle(self.index)
 
     def __repr__(self) -> str:
         return f"Activator(operator={self.index})"

@@ -334,6 +334,11 @@ class Dataflow:
             return []
         return sorted(p for p in finished if p != self.index and self._received[p] == 0)
 
+    def wake_idle(self) -> bool:
+        """Schedule the operators waiting for an idle worker (``Activator.activate_when_idle``);
+        True if there were any."""
+        return self.ctx.activations.wake_idle()
+
     def busy(self) -> bool:
         """True when operators are waiting to run, or records or progress wait to be sent."""
         return (bool(self.ctx.activations.active) or not self.progress.is_empty() or bool(self.ctx.pending)
