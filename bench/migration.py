@@ -123,6 +123,9 @@ def analyse(cfg: dict, results: list[dict]) -> dict:
     win = (sched >= begin) & (sched < end)
     steady = (sched >= cfg["warmup"]) & (sched < begin)
     ws, ss, after = percentiles(lat[win]), percentiles(lat[steady]), percentiles(lat[sched >= end])
+    # The longest collector pause of any worker that began in the migration window (and when).
+    pauses = [(s, t) for r in results for t, _gen, s in r.get("gc", {}).get("long", []) if begin <= t < end]
+    out["gc_max_s"], out["gc_max_at"] = max(pauses, default=(0.0, None))
     out.update(mig_max=ws["max"], mig_p99=ws["p99"], mig_p50=ws["p50"], steady_p50=ss["p50"], steady_p99=ss["p99"],
                steady_p999=ss["p99.9"], steady_max=ss["max"], after_p99=after["p99"], after_max=after["max"],
                overall_max=float(np.nanmax(lat)))
@@ -198,7 +201,8 @@ def run_line(run: int, mode: str, m: dict) -> str:
             f"({m['steps']} steps, {m['bins_moved']} bins, {m['bytes'] / 2**20:,.1f} MiB, duration "
             f"{m['duration']:.2f} s, window {m['window']:.2f} s{step}); steady p99 {fmt_ms(m['steady_p99'])} ms; "
             f"{m['throughput']:,.0f} rec/s; peak RSS {max(m['peak_rss']) / 2**20:,.0f} MiB; pre-load "
-            f"{m['preload_s']:.1f} s; steady CPU {'/'.join(f'{c:.0%}' for c in m['cpu_steady'])}, run-queue wait "
+            f"{m['preload_s']:.1f} s; longest collector pause in the window {m.get('gc_max_s', 0.0) * 1e3:.1f} ms; "
+            f"steady CPU {'/'.join(f'{c:.0%}' for c in m['cpu_steady'])}, run-queue wait "
             f"{'/'.join(f'{c:.0%}' for c in m['runq_steady'])}; counts {counts}{unfinished}; load {m['load']:.1f}; "
             f"{m['wall_s']:.0f} s")
 

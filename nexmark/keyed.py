@@ -23,7 +23,7 @@ import megaphone
 import timely
 from timely import collector, routing
 
-from .metrics import RssSampler, max_rss_bytes, runqueue_wait
+from .metrics import GcPauses, RssSampler, max_rss_bytes, runqueue_wait
 from .openloop import Completions, Schedule, start_together
 
 #: Megaphone's strategies, each also with its bins copied ahead ("+precopy", megaphone.precopy) or
@@ -247,6 +247,8 @@ def job(worker: timely.Worker) -> dict:
     pause_epoch = int(math.ceil(migrate_at / E))
     info: dict = {}
     cpu = {"start": time.process_time(), "wait_start": runqueue_wait()}
+    gc_pauses = GcPauses()  # collector pauses, timed from the common start
+    gc_pauses.start(time.perf_counter() - (time.time() - start))
     profiler = cProfile.Profile() if cfg.get("profile") else None
     if profiler is not None:
         profiler.enable()
@@ -301,6 +303,7 @@ def job(worker: timely.Worker) -> dict:
             info["resume"] = time.time() - start
     end_wall = time.time() - start
     cpu["end"], cpu["wait_end"] = time.process_time(), runqueue_wait()
+    gc_pauses.stop()
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(os.path.join(cfg["profile"], f"migration-{mode}-w{index}.prof"))
@@ -318,6 +321,7 @@ def job(worker: timely.Worker) -> dict:
         "index": index, "start": start, "preload_s": preload_s, "completion": completions.completion.tolist(),
         "end": end_wall, "rss": [(t - start, b) for t, b in samples], "max_rss": max_rss_bytes(),
         "total": total, "distinct": distinct, "cpu": cpu, "owned_bins": owned, "info": info,
+        "gc": gc_pauses.as_dict(),
         "events": [dict(e, worker=index) for e in (mig.events if mig is not None else [])],
     }
     if controller is not None:
