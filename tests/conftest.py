@@ -13,6 +13,9 @@ from __future__ import annotations
 import functools
 import inspect
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -39,8 +42,36 @@ WORKER_IDS = [f"w{n}" for n in WORKER_COUNTS]
 #: ``@workers_param``: run the test once per worker count, with ids ``w1``/``w2``/``w3``.
 workers_param = pytest.mark.parametrize("workers", WORKER_COUNTS, ids=WORKER_IDS)
 
-__all__ = ["FUZZ_SEEDS", "WORKER_COUNTS", "WORKER_IDS", "bag", "examples", "norm", "property_on_workers", "run",
-           "workers_param"]
+__all__ = ["FUZZ_SEEDS", "WORKER_COUNTS", "WORKER_IDS", "bag", "examples", "launch_counting_job", "norm",
+           "property_on_workers", "run", "workers_param"]
+
+ROOT = Path(__file__).resolve().parent.parent
+#: A job for the launcher: every worker counts 5 epochs of the keys 0..9 and prints its share.
+COUNTING_JOB = (
+    "import sys\n"
+    "def main(worker):\n"
+    "    with worker.dataflow() as scope:\n"
+    "        inp = scope.new_input()\n"
+    "        counts = inp.stream.count_by_key().capture()\n"
+    "    for e in range(5):\n"
+    "        inp.send_batch(list(range(10)))\n"
+    "        inp.advance_to(e + 1)\n"
+    "    inp.close()\n"
+    "    worker.finish()\n"
+    "    n = sum(n for _, recs in counts.batches for _, n in recs)\n"
+    "    sys.stdout.write(f'worker {worker.index} counted {n}\\n')  # one write: the workers share the pipe\n"
+)
+
+
+def launch_counting_job(tmp_path: Path, workers: int, *options: str) -> list[int]:
+    """Run :data:`COUNTING_JOB` with ``python -m timely.launch -w workers *options`` (60 s at most);
+    assert that it succeeded and return what each worker counted."""
+    job = tmp_path / "job.py"
+    job.write_text(COUNTING_JOB)
+    out = subprocess.run([sys.executable, "-m", "timely.launch", "-w", str(workers), *options, "--timeout", "60",
+                          str(job)], cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    return [int(line.split()[-1]) for line in out.stdout.splitlines() if "counted" in line]
 
 
 def run(main, workers: int, fuzz: int | None = None, progress: str = "direct") -> list:

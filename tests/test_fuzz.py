@@ -1,18 +1,13 @@
 """The schedule fuzzer: what it does to deliveries, and what it must never do."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from conftest import property_on_workers
+from conftest import launch_counting_job, property_on_workers
 from hypothesis import strategies as st
 
 import timely
 from timely.testing import bag, run_epochs
 
-ROOT = Path(__file__).resolve().parent.parent
 EPOCHS = st.lists(st.lists(st.integers(0, 50), max_size=40), min_size=1, max_size=4)
 
 
@@ -102,24 +97,8 @@ def test_an_order_dependent_operator_fails_under_some_seed():
 
 @pytest.mark.timeout(120)
 def test_the_launcher_takes_a_fuzz_seed(tmp_path):
-    job = tmp_path / "job.py"
-    job.write_text(
-        "import sys\n"
-        "def main(worker):\n"
-        "    with worker.dataflow() as scope:\n"
-        "        inp = scope.new_input()\n"
-        "        counts = inp.stream.count_by_key().capture()\n"
-        "    inp.send_batch(list(range(10)) * 3)\n"
-        "    inp.close()\n"
-        "    worker.finish()\n"
-        "    n = sum(n for _, recs in counts.extract() for _, n in recs)\n"
-        "    sys.stdout.write(f'worker {worker.index} counted {n}\\n')  # one write: the workers share the pipe\n"
-    )
-    out = subprocess.run([sys.executable, "-m", "timely.launch", "-w", "2", "--fuzz", "3", "--timeout", "60",
-                          str(job)], cwd=ROOT, capture_output=True, text=True, timeout=100)
-    assert out.returncode == 0, out.stderr
-    counted = [int(line.split()[-1]) for line in out.stdout.splitlines() if "counted" in line]
-    assert len(counted) == 2 and sum(counted) == 60
+    counted = launch_counting_job(tmp_path, 2, "--fuzz", "3")
+    assert len(counted) == 2 and sum(counted) == 2 * 5 * 10
 
 
 def test_bag_of_fuzzed_keyed_counts_matches_the_plain_run():

@@ -10,12 +10,10 @@ and completion under every interleaving, with 3 to 16 workers) is checked by
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from conftest import launch_counting_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_megaphone_ops import check_pipelined_migrations, check_state_machine
@@ -25,7 +23,6 @@ import timely
 from timely.errors import ProgressMismatchError
 from timely.testing import run_epochs
 
-ROOT = Path(__file__).resolve().parent.parent
 EPOCHS = st.lists(st.lists(st.integers(0, 30), max_size=30), min_size=1, max_size=4)
 
 pytestmark = pytest.mark.timeout(180)
@@ -137,23 +134,5 @@ def test_workers_that_disagree_on_the_mode_get_a_clear_error(relay_is_direct):
 
 
 def test_the_launcher_takes_the_mode(tmp_path):
-    job = tmp_path / "job.py"
-    job.write_text(
-        "import sys\n"
-        "def main(worker):\n"
-        "    with worker.dataflow() as scope:\n"
-        "        inp = scope.new_input()\n"
-        "        counts = inp.stream.count_by_key().capture()\n"
-        "    for e in range(5):\n"
-        "        inp.send_batch(list(range(10)))\n"
-        "        inp.advance_to(e + 1)\n"
-        "    inp.close()\n"
-        "    worker.finish()\n"
-        "    n = sum(n for _, recs in counts.batches for _, n in recs)\n"
-        "    sys.stdout.write(f'worker {worker.index} counted {n}\\n')  # one write: the workers share the pipe\n"
-    )
-    out = subprocess.run([sys.executable, "-m", "timely.launch", "-w", "3", "--progress", "relay", "--timeout", "60",
-                          str(job)], cwd=ROOT, capture_output=True, text=True, timeout=100)
-    assert out.returncode == 0, out.stderr
-    counted = [int(line.split()[-1]) for line in out.stdout.splitlines() if "counted" in line]
+    counted = launch_counting_job(tmp_path, 3, "--progress", "relay")
     assert len(counted) == 3 and sum(counted) == 3 * 5 * 10
