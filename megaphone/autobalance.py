@@ -74,8 +74,9 @@ def even(loads: Sequence[float], table: Sequence[int], peers: int, target: float
     """A table close to ``table`` whose busiest worker is at most ``target`` over the mean, if moves
     of whole bins allow: bins go one at a time from the busiest to the least busy worker, each the
     bin that best narrows their gap (so few move), the smaller state first among equals (``sizes``).
-    Every move strictly lowers the sum of squared worker loads, so it ends; where it ends early no
-    bin of the busiest worker fits the gap, and that worker is within one bin's load of the mean."""
+    Every move strictly lowers the busier of its two workers' loads (also in floating point: a move
+    that rounding makes useless is not made), so it ends; where it ends early no bin of the busiest
+    worker fits the gap, and that worker is within one bin's load of the mean."""
     owner = list(table)
     wl = worker_loads(loads, owner, peers)
     mean = sum(wl) / peers
@@ -92,6 +93,8 @@ def even(loads: Sequence[float], table: Sequence[int], peers: int, target: float
         if not fits:
             break
         b = min(fits, key=lambda b: (max(wl[hi] - loads[b], wl[lo] + loads[b]), sizes[b] if sizes else 0, b))
+        if not max(wl[hi] - loads[b], wl[lo] + loads[b]) < wl[hi]:
+            break  # lost in rounding (a load far below the others'): moving it would change nothing
         held[hi].discard(b)
         held[lo].add(b)
         owner[b] = lo
