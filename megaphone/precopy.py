@@ -570,7 +570,8 @@ class Staging:
     def chunk(self, b: int, payload: Any, ident: tuple[Any, int], deleted: Any = ()) -> None:
         """Stage one chunk of the copy ``ident`` (its time and source worker) of bin ``b``: entries,
         and for a replica's refresh the keys ``deleted`` since. A chunk of a copy already installed
-        or dropped is ignored (a refresh not yet staged at its hand-over may arrive after it)."""
+        or dropped is ignored (a refresh not yet staged at its hand-over may arrive after it), and
+        so is a chunk of a copy older than the one staged (the newest request wins)."""
         ident = tuple(ident)  # a list after crossing processes
         key = (b, ident)
         n = self.received[key] = self.received.get(key, 0) + 1
@@ -581,6 +582,11 @@ class Staging:
             return
         entry = self.staged.get(b)
         if entry is None or entry[0] != ident:
+            if entry is not None and not entry[0][0] < ident[0]:
+                # A chunk of an older copy after one of the newer copy that replaced it (timely
+                # delivers different times in any order): stale, and it must not replace the
+                # newer one's chunks. Counted above, so the older copy's drop still ends it.
+                return
             entry = self.staged[b] = (ident, BinState())
         part, _ = self.shared.codec.unpack(payload)
         state = entry[1]
