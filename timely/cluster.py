@@ -563,13 +563,11 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
         raise ValueError(f"workers must be at least 1, not {workers}")
     if start == "spawn":
         _require_picklable(main, "main")
-    from .dataflow.dataflow import PROGRESS_MODES
+    from .dataflow.dataflow import check_progress_mode
 
-    if progress not in PROGRESS_MODES:
-        raise ValueError(f"progress must be one of {', '.join(map(repr, PROGRESS_MODES))}, not {progress!r}")
     token = secrets.token_hex(16)
     options["secret"] = resolve(secret)
-    options["progress"] = progress
+    options["progress"] = check_progress_mode(progress)  # before any worker starts
     from .recovery import run_restarting
 
     with local_endpoints(workers, transport) as endpoints:

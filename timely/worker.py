@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .collector import batch_gc
 from .comm.allocator import Allocator
-from .dataflow.dataflow import PROGRESS_MODES, Dataflow
+from .dataflow.dataflow import Dataflow, check_progress_mode
 from .dataflow.fuzz import Fuzzer
 from .dataflow.input import InputHandle
 from .dataflow.scope import Scope
@@ -41,9 +41,7 @@ class Worker:
                  watchdog: float | None = None, watchdog_warn: bool = False, *,
                  secret: JobSecret | None = None, job_id: str | None = None,
                  checkpoint: CheckpointConfig | None = None, progress: str = "direct") -> None:
-        if progress not in PROGRESS_MODES:
-            raise ValueError(f"progress must be one of {', '.join(map(repr, PROGRESS_MODES))}, not {progress!r}")
-        self.progress = progress
+        self.progress = check_progress_mode(progress)
         self.allocator = allocator
         self._secret = secret
         self._job_id = job_id or uuid.uuid4().hex

@@ -61,10 +61,7 @@ class Activations:
             now = _time.monotonic()
             while timers and timers[0][0] <= now:
                 _, index, when_idle = heapq.heappop(timers)
-                if when_idle:
-                    self._idle.add(index)
-                else:
-                    self.activate(index)
+                (self.activate_when_idle if when_idle else self.activate)(index)
 
     def next_timer(self) -> float | None:
         """Seconds until the next delayed activation (None: no timer pending)."""

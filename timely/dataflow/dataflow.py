@@ -34,6 +34,13 @@ PROGRESS_MODES = ("direct", "relay")
 RELAY = 0
 
 
+def check_progress_mode(progress: str) -> str:
+    """``progress`` if it is one of :data:`PROGRESS_MODES`; :class:`ValueError` naming it otherwise."""
+    if progress not in PROGRESS_MODES:
+        raise ValueError(f"progress must be one of {', '.join(map(repr, PROGRESS_MODES))}, not {progress!r}")
+    return progress
+
+
 class Dataflow:
     """One dataflow instance on one worker."""
 
