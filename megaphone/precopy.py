@@ -259,6 +259,13 @@ class PreCopier:
         self.round: Capability | None = None
         self.round_bins: list[int] = []
         self.delivered: Callable[[Any], bool] = lambda t: False
+        #: True when the worker has other work (``Activator.work_waiting``): a slice then ends after
+        #: the chunk it is sending (set by F; every slice sends one chunk at least).
+        self.waiting: Callable[[], bool] = lambda: False
+
+    def _yield(self, began: float) -> bool:
+        """The slice begun at ``began`` ends now: its :attr:`budget` is spent, or other work waits."""
+        return _time.perf_counter() - began > self.budget or self.waiting()
 
     @property
     def sending(self) -> bool:
@@ -415,7 +422,7 @@ class PreCopier:
             copy.sent += 1
             copy.rentries += len(keys)
             copy.rbytes += codec.nbytes(payload)
-            if _time.perf_counter() - began > self.budget:
+            if self._yield(began):
                 if copy.rleft == 0:
                     self._refreshed(copy)
                 return False
@@ -500,7 +507,7 @@ class PreCopier:
                     copy.entries += len(part)
                     copy.nbytes += codec.nbytes(payload)
                     copy.seconds += _time.perf_counter() - t
-                    if _time.perf_counter() - began > self.budget:
+                    if self._yield(began):
                         return 0.0
                 copy.cap.drop()
                 copy.cap = None
@@ -520,7 +527,7 @@ class PreCopier:
                 self.round.drop()
                 self.round = None
                 break
-            if not self._visit(self.round_bins.pop(), out, began) or _time.perf_counter() - began > self.budget:
+            if not self._visit(self.round_bins.pop(), out, began) or self._yield(began):
                 return 0.0
         return 0.0 if self.active else None  # (a replica copied again, in the round, has chunks left)
 

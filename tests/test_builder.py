@@ -1,6 +1,8 @@
 """The public operator builder and the Frontier view, as the README shows them."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from conftest import property_on_workers
 from hypothesis import strategies as st
@@ -154,6 +156,63 @@ def test_an_operator_scheduled_for_an_idle_worker_runs_after_the_busy_steps_and_
         return log
 
     assert timely.execute(main)[0] == ["busy"] * 5 + ["idle", "idle"]
+
+
+def test_work_waiting_sees_other_scheduled_operators():
+    """``Activator.work_waiting``: what background work checks between its pieces. False on a
+    worker with nothing else to do; True once another operator is scheduled."""
+    def main(worker):
+        seen = []
+        with worker.dataflow() as scope:
+            other = OperatorBuilder(scope, "Other")
+            other.new_output()
+            background = OperatorBuilder(scope, "Background")
+            background.new_output()
+
+            def other_ctor(caps):
+                caps[0].drop()
+                return lambda: None
+
+            def background_ctor(caps):
+                held = caps[0]
+
+                def logic():
+                    seen.append(background.activator.work_waiting())
+                    other.activator.activate()
+                    seen.append(background.activator.work_waiting())
+                    held.drop()
+                return logic
+
+            other.build(other_ctor)
+            background.build(background_ctor)
+            background.activator.activate_when_idle()
+        worker.step_while(worker.has_dataflows, timeout=10)
+        return seen
+
+    assert timely.execute(main)[0] == [False, True]
+
+
+def test_incoming_sees_a_message_from_a_peer_before_it_is_received():
+    """``Allocator.incoming`` on the ZeroMQ cluster: a message worker 1 sent is seen waiting by
+    worker 0, which has not stepped (received) since."""
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            probe = inp.stream.exchange(lambda r: r).probe()
+        if worker.index == 1:
+            inp.send_batch(list(range(100)))
+        inp.close()
+        if worker.index == 0:
+            deadline = time.monotonic() + 10
+            while not worker.allocator.incoming() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            seen = worker.allocator.incoming()
+        else:
+            seen = None
+        worker.step_while(lambda: not probe.done(), timeout=30)
+        return seen
+
+    assert timely.execute(main, workers=2, timeout=60)[0] is True
 
 
 def test_frontier_views_are_live_and_read_only():

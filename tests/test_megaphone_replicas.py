@@ -373,3 +373,21 @@ def test_copy_slices_wait_for_an_idle_worker_unless_overdue():
     assert f.step(edge, busy=True)[1] is None and len(edge.flight) == sent  # within the rate limit: waits
     f.resume = _time.perf_counter() - 0.001 / 0.5 - 0.001  # waited for an idle worker too long
     assert f.step(edge, busy=True) is not None and len(edge.flight) > sent  # copies all the same
+
+
+def test_a_copy_slice_gives_way_to_waiting_work_after_one_chunk():
+    """A slice ends after the chunk it is sending once other work waits (``waiting``: a message
+    from a peer, another operator scheduled); with none, it sends until its budget is spent."""
+    owner = Shared("model", 1, 0, 2)
+    for key in range(100_000):
+        owner.bins[0].state[key] = [key]
+    edge = Edge()
+    f = PreCopier(owner, chunk=3, budget=1.0, min_entries=0, share=1.0)
+    f.start(0, 1, Cap(edge, 1), edge)
+    f.waiting = lambda: True
+    assert f.step(edge) is not None and len(edge.flight) == 1  # one chunk, then it gives way
+    f.resume = 0.0
+    calls = []
+    f.waiting = lambda: len(calls) > 50 or calls.append(1)  # other work turns up after 51 chunks
+    f.step(edge)
+    assert len(edge.flight) == 1 + 52

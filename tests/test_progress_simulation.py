@@ -163,6 +163,9 @@ class SimAllocator:
         self.arrived.clear()
         return events
 
+    def incoming(self) -> bool:
+        return False
+
     def await_events(self, timeout: float | None) -> None:
         pass
 

@@ -102,6 +102,10 @@ class Allocator(Protocol):
     def await_events(self, timeout: float | None) -> None:
         """Block until a message arrives or ``timeout`` seconds pass (``None``: no limit)."""
 
+    def incoming(self) -> bool:
+        """True when a message waits to be received or read (cheap: polled between the slices of
+        background work, which give way to it)."""
+
     def finished(self) -> Set[int]:
         """The workers that said goodbye: they finished, and every message they sent has been
         received (into its puller) by the time they appear here."""
@@ -143,6 +147,10 @@ class ThreadAllocator:
         """Sleep briefly: a single worker only receives from itself, so nothing can arrive."""
         if timeout:
             time.sleep(min(timeout, 0.01))
+
+    def incoming(self) -> bool:
+        """True when a channel holds a message not yet read (only this worker pushes them)."""
+        return bool(self._mailbox.events)
 
     def finished(self) -> Set[int]:
         """No other worker: none finished."""

@@ -95,6 +95,10 @@ class Links:
         return self._peers[index]
 
     # -- the allocator's calls ---------------------------------------------------------------
+    def readable(self) -> bool:
+        """True when a message from a peer can be read now (about 2 us)."""
+        return bool(self._router_poller.poll(0))
+
     def receive(self) -> None:
         """Deliver what has arrived (a bounded amount per call) and watch the connections."""
         self.raise_if_failed()

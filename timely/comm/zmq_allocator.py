@@ -217,6 +217,10 @@ class ZmqAllocator:
         if not self._mailbox.events and timeout:
             time.sleep(min(timeout, 0.01))
 
+    def incoming(self) -> bool:
+        """True when a message waits: received and not yet read, or readable from the network."""
+        return bool(self._mailbox.events) or (self._links is not None and self._links.readable())
+
     def finished(self) -> Set[int]:
         """The workers that said goodbye (their data, delivered before it, is in the pullers)."""
         return frozenset() if self._links is None else self._links.finished

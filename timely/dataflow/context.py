@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import time as _time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..progress.change_batch import ChangeBatch
@@ -21,9 +21,12 @@ class Activations:
     """The operators scheduled to run: a min-heap of operator indices, plus delayed activations and
     the operators waiting for the worker to be idle."""
 
-    __slots__ = ("active", "_active_set", "_timers", "_idle")
+    __slots__ = ("active", "_active_set", "_timers", "_idle", "incoming")
 
     def __init__(self) -> None:
+        #: True when the worker has received (or can receive) a message not yet handled: the
+        #: allocator's ``incoming``, set when the dataflow is made.
+        self.incoming: Callable[[], bool] = lambda: False
         self.active: list[int] = []  # heap of operator indices
         self._active_set: set[int] = set()
         self._timers: list[tuple[float, int, bool]] = []  # heap of (monotonic deadline, operator index, when idle)
@@ -112,6 +115,14 @@ class Activator:
         Background work (a state copy) then waits for no record, but it never runs while the
         worker stays busy."""
         self._activations.activate_when_idle(self.index)
+
+    def work_waiting(self) -> bool:
+        """True when the worker has other work: a message received or arriving, or another operator
+        scheduled. Background work run when idle checks it between small pieces and gives way
+        (then asks :meth:`activate_when_idle` again), so a message from a peer, which may be the
+        progress a whole epoch waits for, waits for one piece at most."""
+        acts = self._activations
+        return bool(acts.active) or acts.incoming()
 
     def __repr__(self) -> str:
         return f"Activator(operator={self.index})"

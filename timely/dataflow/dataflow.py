@@ -50,6 +50,7 @@ class Dataflow:
         self.index = worker.index
         self.peers = worker.peers
         self.ctx = Context(worker.index, worker.peers, fuzzer)
+        self.ctx.activations.incoming = worker.allocator.incoming
         self.fuzzer = fuzzer
         self.progress = self.ctx.progress
         self.operators: list[OperatorCore] = []
