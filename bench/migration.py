@@ -92,7 +92,8 @@ def analyse(cfg: dict, results: list[dict]) -> dict:
         steps = w0["steps"]
         copied = steps[0].get("copy") is not None  # the first step copied its bins ahead: it began then
         issue = steps[0]["copy"] if copied else steps[0]["issued"]
-        first = epoch_of(steps[0]["copy_time"] if copied else steps[0]["time"], cfg["epoch_ms"])  # its epoch
+        # The epoch being sent when it went out: the control input runs `control_lead` epochs ahead.
+        first = epoch_of(steps[0]["copy_time"] if copied else steps[0]["time"], cfg["epoch_ms"]) - cfg.get("control_lead", 1)
         out["complete"] = bool(w0["all_steps_done"]) and steps[-1]["completed"] is not None
         done = steps[-1]["completed"] if out["complete"] else w0["end"]
         out["steps"], out["bins_moved"] = len(steps), sum(s["bins"] for s in steps)
@@ -265,6 +266,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"comma-separated, of {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})")
     ap.add_argument("--runs", type=int, default=3, help="runs per strategy; medians reported (default 3)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--control-lead", type=int, default=1, metavar="EPOCHS",
+                    help="epochs the control input runs ahead of the data (default 1; 0: in lockstep, a "
+                         "hand-over then delays its own epoch by a round of messages)")
     ap.add_argument("--spare", type=int, default=0,
                     help="workers that hold no bin before the migration, which then moves half of every other "
                          "worker's bins onto them (the paper's scale-out, e.g. --workers 8 --spare 4: 4 -> 8; default 0: "
@@ -306,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     print("command:", command)
     print(f"os.cpu_count() = {os.cpu_count()}; load average at start {os.getloadavg()[0]:.2f}; "
           f"{args.workers} workers; {args.rate:,} rec/s for {args.duration:g} s; {args.keys:,} keys pre-loaded; "
-          f"2^{args.k} bins; {args.epoch_ms} ms epochs; gc {args.gc}; "
+          f"2^{args.k} bins; {args.epoch_ms} ms epochs; control {args.control_lead} epoch(s) ahead; gc {args.gc}; "
           + (f"scale-out {args.workers - args.spare} -> {args.workers} workers at " if args.spare
              else "migration of half the bins at ")
           + f"{args.migrate_at:g} s; {args.runs} run(s)", flush=True)
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:  # interleaved, so that machine noise spreads over the strategies
             cfg = {"mode": mode, "rate": args.rate, "duration": args.duration, "migrate_at": args.migrate_at,
                    "warmup": args.warmup, "keys": args.keys, "k": args.k, "epoch_ms": args.epoch_ms,
-                   "gc": args.gc, "seed": args.seed + run, "spare": args.spare,
+                   "gc": args.gc, "seed": args.seed + run, "spare": args.spare, "control_lead": args.control_lead,
                    "precopy_share": args.precopy_share, "precopy_max_share": args.precopy_max_share,
                    "profile": os.path.abspath(args.profile) if args.profile else None}
             t0 = time.time()

@@ -22,7 +22,7 @@ from .table import TableError, balanced, move_updates, validate_k, validate_move
 class ControlInput:
     """A validating wrapper around the control input handle of ``2**k`` bins.
 
-    Every worker creates one (and advances it in step with its data input); usually only one worker
+    Every worker creates one (and advances it with its data input, one time ahead); usually only one worker
     (worker 0) sends updates. Invalid updates raise :class:`~megaphone.table.TableError`, naming
     the input (``name``) and the call, before anything enters the dataflow, so a bad request never
     damages running state. Bins and workers may be numpy integers; they are sent as ``int``.
@@ -145,7 +145,9 @@ class ControlInput:
         self._sent = (self.time, table if table is not None else sent_table, {**sent_moves, **moves})
 
     def advance_to(self, time: Any) -> None:
-        """Advance the control input (keep it in step with the data input)."""
+        """Advance the control input: with the data input, best one time ahead of it (a step
+        issued now then takes effect at the next time, and its bins leave while the current time's
+        data are processed: README, "Control one time ahead of the data")."""
         self.handle.advance_to(time)
 
     def close(self) -> None:

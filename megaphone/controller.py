@@ -10,7 +10,10 @@ Driving it
 Only the worker that sends on the control input (worker 0) has a :class:`Controller`; it calls
 :meth:`Controller.tick` once per iteration of its driver loop, *after* advancing its inputs, so a
 step goes out at the newest control time. Every other worker creates the same :class:`ControlInput`
-and simply advances it in step with its data input (it never sends on it)::
+and simply advances it with its data input (it never sends on it), best one time ahead: a step
+at the control's time ``t`` then has its table final, and its bins leave, while the data before
+``t`` are still being processed, instead of one round of messages after them (README, "Control
+one time ahead of the data")::
 
     with worker.dataflow() as scope:
         data = scope.new_input()
@@ -22,7 +25,7 @@ and simply advances it in step with its data input (it never sends on it)::
     for epoch in range(rounds):
         data.send_batch(records(epoch))
         data.advance_to(epoch + 1)
-        control.advance_to(epoch + 1)        # every worker: control in lockstep with data
+        control.advance_to(epoch + 2)        # every worker: control one time ahead of the data
         if controller:
             controller.tick()                # worker 0 only: maybe issue the next step
         worker.step_while(lambda: counts.probe.less_than(epoch - lag))

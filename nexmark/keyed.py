@@ -186,6 +186,7 @@ def job(worker: timely.Worker) -> dict:
     mode, k, epoch_ms = cfg["mode"], cfg["k"], cfg["epoch_ms"]
     index, peers = worker.index, worker.peers
     rss = RssSampler(0.05, start=0.0)  # absolute time.time() stamps
+    lead = cfg.get("control_lead", 1)  # epochs the control input runs ahead of the data
     spare = cfg.get("spare", 0)  # workers that hold no bin until the migration scales out onto them
     active = peers - spare
     if not 0 <= spare < peers:
@@ -275,7 +276,10 @@ def job(worker: timely.Worker) -> dict:
             sent += 1
             data.advance_to(logical(sent, epoch_ms))
             if control is not None:
-                control.advance_to(logical(sent, epoch_ms))
+                # Ahead of the data by `lead` epochs: a step goes out at a time whose records are
+                # not sent yet, so its table is final, and its bins can leave, while the epoch
+                # before it completes (megaphone.controller, "Control ahead of data").
+                control.advance_to(logical(sent + lead, epoch_ms))
         if controller is not None:
             if not started and now >= migrate_at and mode != "none":
                 controller.start(megaphone.plan(table0, target, strategy, peers=peers), precopy=extra == "precopy")
