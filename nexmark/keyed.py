@@ -201,6 +201,8 @@ def job(worker: timely.Worker) -> dict:
         megaphone.precopy.SHARE = cfg["precopy_share"]
     if cfg.get("precopy_max_share") is not None:  # and of an idle worker's time
         megaphone.precopy.MAX_SHARE = cfg["precopy_max_share"]
+    if cfg.get("precopy_chunk") is not None:  # entries per copy chunk: what a peer's message may wait for
+        megaphone.precopy.CHUNK = cfg["precopy_chunk"]
     control = mig = None
     state: dict = {}
     if mode == "restart":

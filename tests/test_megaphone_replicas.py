@@ -322,8 +322,11 @@ def test_installing_one_bins_copy_keeps_the_copies_of_others_with_the_same_ident
 
 def replicas_then_rebalance_job(worker, k: int, epochs: list, target: list, start_at: int):
     """A keyed count; at epoch 1 worker 0 asks for a replica of every bin on the next worker, at
-    ``start_at`` it starts a plain batched rebalance to ``target`` through a controller."""
-    pc.REFRESH, pc.MIN_ENTRIES = 0.0, 0
+    ``start_at`` it starts a plain batched rebalance to ``target`` through a controller. The loop
+    steps as fast as it can, so the workers are never idle for long: their slices give way to each
+    other's messages, and the copies run at about ``SHARE`` of the time, here a half, so that the
+    replicas keep up and the moves ship deltas."""
+    pc.REFRESH, pc.MIN_ENTRIES, pc.SHARE = 0.0, 0, 0.5
     job = LiveCount(worker, k)
     m = job.machine
     ctl = Controller(job.control, m.probe) if worker.index == 0 else None
@@ -377,12 +380,14 @@ def test_copy_slices_wait_for_an_idle_worker_unless_overdue():
 
 def test_a_copy_slice_gives_way_to_waiting_work_after_one_chunk():
     """A slice ends after the chunk it is sending once other work waits (``waiting``: a message
-    from a peer, another operator scheduled); with none, it sends until its budget is spent."""
+    from a peer, another operator scheduled) and it ran ``min_slice``; with none, it sends until
+    its budget is spent. A busy worker's overdue slice runs its budget whatever waits."""
     owner = Shared("model", 1, 0, 2)
     for key in range(100_000):
         owner.bins[0].state[key] = [key]
     edge = Edge()
     f = PreCopier(owner, chunk=3, budget=1.0, min_entries=0, share=1.0)
+    f.min_slice = 0.0
     f.start(0, 1, Cap(edge, 1), edge)
     f.waiting = lambda: True
     assert f.step(edge) is not None and len(edge.flight) == 1  # one chunk, then it gives way
@@ -391,3 +396,9 @@ def test_a_copy_slice_gives_way_to_waiting_work_after_one_chunk():
     f.waiting = lambda: len(calls) > 50 or calls.append(1)  # other work turns up after 51 chunks
     f.step(edge)
     assert len(edge.flight) == 1 + 52
+    f.resume = -1.0  # overdue on a busy worker: it runs its budget (here: to the end of the copy)
+    f.budget = 0.05
+    f.waiting = lambda: True
+    sent = len(edge.flight)
+    f.step(edge, busy=True)
+    assert len(edge.flight) > sent + 1
