@@ -67,8 +67,9 @@ if TYPE_CHECKING:
     from timely import Capability, OperatorOutput
 
 #: Entries per pre-copy chunk (one state message each). A slice gives way to a peer's message
-#: after the chunk it is sending: 512 entries take about 0.1 ms to pack here (1,024 left a hand-over
-#: epoch 1.2-1.7 ms later than the others, 512 0.3-0.8 ms; bench/RESULTS.md).
+#: after the chunk it is sending: 512 entries take about 50 us to cut and pack, 40 us to unpack, in a
+#: warm loop (1,024 left a hand-over epoch 1.2-1.7 ms later than the others, 512 0.3-0.8 ms;
+#: bench/RESULTS.md).
 CHUNK = 512
 #: Seconds of copying per activation of F, at most (the rest of the activation serves records).
 BUDGET = 0.0005

@@ -280,7 +280,7 @@ def job(worker: timely.Worker) -> dict:
             if control is not None:
                 # Ahead of the data by `lead` epochs: a step goes out at a time whose records are
                 # not sent yet, so its table is final, and its bins can leave, while the epoch
-                # before it completes (megaphone.controller, "Control ahead of data").
+                # before it completes (README, "Control one time ahead of the data").
                 control.advance_to(logical(sent + lead, epoch_ms))
         if controller is not None:
             if not started and now >= migrate_at and mode != "none":
