@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nexmark.keyed import DEFAULT_MODES, MODES, epoch_of, execute
+from nexmark.keyed import CONTROL_LEAD, DEFAULT_MODES, MODES, epoch_of, execute
 from nexmark.metrics import Timeline, peak_between, percentiles
 from nexmark.openloop import Schedule, latencies
 from nexmark.report import align, median, plot_timelines
@@ -93,7 +93,8 @@ def analyse(cfg: dict, results: list[dict]) -> dict:
         copied = steps[0].get("copy") is not None  # the first step copied its bins ahead: it began then
         issue = steps[0]["copy"] if copied else steps[0]["issued"]
         # The epoch being sent when it went out: the control input runs `control_lead` epochs ahead.
-        first = epoch_of(steps[0]["copy_time"] if copied else steps[0]["time"], cfg["epoch_ms"]) - cfg.get("control_lead", 1)
+        went_out = steps[0]["copy_time"] if copied else steps[0]["time"]
+        first = epoch_of(went_out, cfg["epoch_ms"]) - cfg.get("control_lead", CONTROL_LEAD)
         out["complete"] = bool(w0["all_steps_done"]) and steps[-1]["completed"] is not None
         done = steps[-1]["completed"] if out["complete"] else w0["end"]
         out["steps"], out["bins_moved"] = len(steps), sum(s["bins"] for s in steps)
@@ -266,8 +267,8 @@ def parser() -> argparse.ArgumentParser:
                     help=f"comma-separated, of {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})")
     ap.add_argument("--runs", type=int, default=3, help="runs per strategy; medians reported (default 3)")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--control-lead", type=int, default=1, metavar="EPOCHS",
-                    help="epochs the control input runs ahead of the data (default 1; 0: in lockstep, a "
+    ap.add_argument("--control-lead", type=int, default=CONTROL_LEAD, metavar="EPOCHS",
+                    help=f"epochs the control input runs ahead of the data (default {CONTROL_LEAD}; 0: in lockstep, a "
                          "hand-over then delays its own epoch by a round of messages)")
     ap.add_argument("--spare", type=int, default=0,
                     help="workers that hold no bin before the migration, which then moves half of every other "

@@ -30,8 +30,7 @@ class RoutingOperator:
         self.copied = copied  # passes t0 once every copy ahead requested at t0 is staged (megaphone.precopy)
         self.activator = activator
         self.precopier = shared.precopier = PreCopier(shared)
-        if activator is not None:  # (None: unit tests of the extraction alone)
-            self.precopier.waiting = activator.work_waiting
+        self.precopier.waiting = activator.work_waiting
         self.ctrl_pending: dict[Any, tuple[Any, list, Any]] = {}
         self.to_extract: list[tuple[Any, tuple, tuple, Any]] = []
         self.stash: dict[Any, tuple[list, list]] = {}  # time -> (caps per input, batches per input)

@@ -37,6 +37,9 @@ CHUNK = megaphone.operators.DEFAULT_CHUNK  # state entries per shipped message (
 
 #: Dataflow time of the first measured epoch: time 0 is the pre-load, time 1 the standby replicas' request.
 ORIGIN = 2
+#: Epochs the control input runs ahead of the data by default (README, "Control one time ahead of
+#: the data"); ``cfg["control_lead"]`` overrides it.
+CONTROL_LEAD = 1
 
 
 def logical(e: int, epoch_ms: int) -> int:
@@ -186,7 +189,7 @@ def job(worker: timely.Worker) -> dict:
     mode, k, epoch_ms = cfg["mode"], cfg["k"], cfg["epoch_ms"]
     index, peers = worker.index, worker.peers
     rss = RssSampler(0.05, start=0.0)  # absolute time.time() stamps
-    lead = cfg.get("control_lead", 1)  # epochs the control input runs ahead of the data
+    lead = cfg.get("control_lead", CONTROL_LEAD)  # epochs the control input runs ahead of the data
     spare = cfg.get("spare", 0)  # workers that hold no bin until the migration scales out onto them
     active = peers - spare
     if not 0 <= spare < peers:

@@ -14,6 +14,7 @@ import pickle
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pytest
@@ -454,7 +455,9 @@ def two_workers_at_rest(k: int = 1):
         shared = Shared("Op", k, w, 2)
         ck = FakeCheckpointer(2)
         shared.checkpoint = BinCheckpoint(shared, ck)
-        sides.append((shared, ck.participants["megaphone/Op"], RoutingOperator(shared, 1, None, None, 8, None, None)))
+        activator = SimpleNamespace(work_waiting=lambda: False)  # (F's extraction alone: nothing is scheduled)
+        sides.append((shared, ck.participants["megaphone/Op"],
+                      RoutingOperator(shared, 1, None, None, 8, None, activator)))
     bin0 = sides[0][0].bins[0]
     assert bin0 is not None
     bin0.state["x"] = 1
