@@ -99,12 +99,34 @@ def test_job_runs_on_two_workers(tmp_path, no_leftovers):
     assert records == 40 * 3  # every record arrived exactly once, on one worker
 
 
+def free_port_block(offsets: tuple[int, ...]) -> int:
+    """A base port below the kernel's ephemeral range (where the workers' outgoing connections take
+    their ports, one of which could take a worker's port between this check and its bind) such
+    that ``base + o`` is free on 127.0.0.1 for every offset ``o`` (racy; a moment ago)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for base in range(low - 1000 - max(offsets), 10000, -97):
+        socks = []
+        try:
+            for o in offsets:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", base + o))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free block of loopback ports")
+
+
 @pytest.mark.timeout(60)
 def test_two_hosts_on_loopback_match_one_host(tmp_path, no_leftovers):
     job = _job(tmp_path, "job.py", EXCHANGE_JOB)
     one = _launch(no_leftovers, "-w", "4", job, "50")
     assert one.returncode == 0, one.stderr
-    base = free_loopback_ports(1)[0]
+    base = free_port_block((0, 1, 10, 11))  # two workers on each host, from base and base + 10
     hostfile = tmp_path / "hosts"
     hostfile.write_text(f"127.0.0.1:{base}\nlocalhost:{base + 10}\n")
     procs = []
