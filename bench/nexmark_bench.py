@@ -33,6 +33,7 @@ from pathlib import Path
 import megaphone
 from nexmark.driver import Spec, run
 from nexmark.harness import CHECK_CONFIG, CHECK_PARAMS, Run, diff, execute, expected, random_moves
+from nexmark.keyed import CONTROL_LEAD
 from nexmark.model import Params
 from nexmark.queries import QUERIES
 from nexmark.report import Summary, fmt_s, median_table, plot, summarise, table, timeline_text, write_csv
@@ -91,7 +92,7 @@ def bench_one(args: argparse.Namespace, q: str, flex: bool, rate: int, params: d
                 time_dilation=args.time_dilation, seed=args.seed, k=args.k,
                 migration=migration if flex else None, migrate_at=args.migrate_at if flex else [],
                 params=params, in_flight_auctions=args.in_flight_auctions, progress=not args.no_progress, gc=args.gc,
-                history=args.history, skew=args.skew,
+                history=args.history, skew=args.skew, control_lead=args.control_lead,
                 # a fresh directory per run: a run never resumes another's checkpoint
                 checkpoint=tempfile.mkdtemp(prefix="run-", dir=args.checkpoint) if args.checkpoint else None,
                 checkpoint_every=args.checkpoint_every)
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skew", type=float, default=0.5,
                     help="migrations: the fraction of its bins each odd worker gives to an even one "
                          "(default 0.5: a quarter of all bins, the paper's uniform -> uniform_skew)")
+    ap.add_argument("--control-lead", type=int, default=CONTROL_LEAD, metavar="EPOCHS",
+                    help=f"epochs the control input runs ahead of the inputs (default {CONTROL_LEAD}; 0: in lockstep)")
     ap.add_argument("--in-flight-auctions", type=int, default=100,
                     help="auctions open at any time (default 100, as Beam's NEXMark); the state of Q4 and Q6")
     ap.add_argument("--checkpoint", metavar="DIR", default=None,

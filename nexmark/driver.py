@@ -15,10 +15,11 @@ its scheduled time, binned into histograms after the measured phase.
 
 Worker 0 owns the migration controller: at each ``migrate_at`` time it plans a move to the next
 target table (alternately ``skewed`` and back to ``balanced``) with the chosen strategy and issues
-its steps one at a time. ``+precopy`` copies each step's bins ahead; ``+replica`` keeps a standby
-replica of every bin, requested in the history's last round (staged before the measured phase) on
-the worker the first migration moves it to, so that migration ships only what changed since the
-replica's last refresh.
+its steps one at a time. The control input runs ``control_lead`` epochs (default 1) ahead of the
+inputs, so a step's table is final before its epoch's events arrive. ``+precopy`` copies each
+step's bins ahead; ``+replica`` keeps a standby replica of every bin, requested in the history's
+last round (staged before the measured phase) on the worker the first migration moves it to, so
+that migration ships only what changed since the replica's last refresh.
 
 ``history`` seconds of the schedule can be replayed before the measured phase, as fast as the
 dataflow takes them (closed loop, not measured): the query then starts the measured phase with the
@@ -39,7 +40,7 @@ import timely
 from timely import collector
 
 from .columnar import COLUMNAR_QUERIES, event_source, lookup
-from .keyed import replica_table
+from .keyed import CONTROL_LEAD, replica_table
 from .metrics import INTERVAL, GcPauses, Timeline, rss_bytes
 from .model import Config, Params
 from .openloop import Completions, Schedule, acknowledged, latencies, start_together
@@ -73,6 +74,7 @@ class Spec:
     checkpoint: str | None = None  # take checkpoints there (timely.checkpoint): Megaphone's bins
     checkpoint_every: int = 1000  # epochs (of 1 ms) between checkpoints
     progress_mode: str = "direct"  # how progress travels between the workers (timely.execute's progress)
+    control_lead: int = CONTROL_LEAD  # epochs the control input runs ahead of the data (0: in lockstep)
 
     def config(self) -> Config:
         """The generator configuration."""
@@ -175,7 +177,8 @@ class WorkerRun:
 
     def _feed(self, target: int) -> int:
         """Send every event scheduled before epoch ``target`` at the current epoch, advance the
-        inputs (and the control input) to ``target``; return the number of events sent."""
+        inputs to ``target`` and the control input to ``target`` plus the spec's ``control_lead``;
+        return the number of events sent."""
         batch = self.gen.until(self.config.first_event(target))
         for inp, recs in zip(self.inputs, batch):
             if recs:
@@ -184,7 +187,10 @@ class WorkerRun:
         for inp in self.inputs:
             inp.advance_to(target)
         if self.control is not None:
-            self.control.advance_to(target)
+            # Ahead of the data: a step issued now goes out at a time whose events are not sent
+            # yet, so its table is final while the epoch before it completes (README, "Control
+            # one time ahead of the data").
+            self.control.advance_to(target + self.spec.control_lead)
         return batch.total
 
     def send_round(self, due: int, now: float) -> None:
@@ -200,10 +206,10 @@ class WorkerRun:
             self.controller.rebalance(self.targets.pop(0), self.strategy, precopy=self.extra == "precopy")
 
     def request_replicas(self) -> None:
-        """Worker 0 asks for a standby replica of every bin (``+replica``), at the inputs' current
-        epoch: on the worker the first planned migration moves it to, else on the next worker."""
+        """Worker 0 asks for a standby replica of every bin (``+replica``), at the control input's
+        current time: on the worker the first planned migration moves it to, else on the next worker."""
         assert self.control is not None
-        self.replica_time = self.stamp
+        self.replica_time = self.control.time  # the request's time (ahead of the inputs by the lead)
         if self.controller is not None:
             self.control.replicate(replica_table(self.controller.planned_table, self.targets[0], self.worker.peers))
 

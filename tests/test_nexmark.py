@@ -127,18 +127,19 @@ def test_queries_with_batched_stamps(query, workers):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("migration", ["batched", "batched+replica"])
-def test_driver_history_then_measured_phase_with_migration(migration):
+@pytest.mark.parametrize("migration, lead", [("batched", 1), ("batched", 0), ("batched+replica", 1)])
+def test_driver_history_then_measured_phase_with_migration(migration, lead):
     """``bench/nexmark_bench.py --history``: the first second of events is replayed before measuring, the
     measured phase continues the same stream (and migrates bins while it runs). The measured phase
     sends exactly its own events, and its output is exactly the reference output at its epochs
     (a pair of Q3 is emitted in the measured phase iff one of its records belongs to it). With
     ``+replica`` the bins have standby replicas, requested in the history's last round, on the
-    workers the migration moves them to."""
+    workers the migration moves them to. The control input runs ``lead`` epochs ahead of the data
+    (the default 1) or in lockstep (0)."""
     from nexmark.driver import Spec, run
 
     spec = Spec(query="q3", flex=True, rate=20_000, duration=1.5, history=1.0, workers=2, k=4,
-                migration=migration, migrate_at=[0.5], progress=False, drain_timeout=60)
+                migration=migration, migrate_at=[0.5], progress=False, drain_timeout=60, control_lead=lead)
     results = run(spec)
     first, end = spec.config().first_event(1000), spec.config().first_event(2500)
     assert sum(r["sent"] for r in results) == end - first
