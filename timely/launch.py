@@ -186,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds between each worker's metrics reports (default 1)")
     ob.add_argument("--autobalance", nargs="?", const="", default=None, metavar="OPTS",
                     help="let megaphone.AutoBalancer move bins when the load is uneven; OPTS: comma-separated "
-                         "knob=value (threshold, hold, cooldown, window, target, strategy); the job's "
+                         "knob=value (threshold, hold, cooldown, window, target, min_busy, interval, strategy); the job's "
                          "megaphone.Controller on worker 0 starts it (controller.balancer)")
     p.add_argument("--fuzz", type=int, default=None, metavar="SEED",
                    help="run under the schedule fuzzer seeded by SEED (batches split, reordered, delayed)")
