@@ -175,11 +175,18 @@ def test_schema_mismatch_names_operator_and_column() -> None:
 def test_missing_and_unsupported_key_columns() -> None:
     with pytest.raises(timely.BuildError, match="no column 'nope'"):
         run_epochs(lambda s: columnar.from_batches(s, SCHEMA).exchange_by("nope").to_rows(), [[]], 1)
-    schema = pa.schema([("l", pa.list_(pa.int64()))])
-    b = pa.RecordBatch.from_pydict({"l": [[1]]}, schema=schema)
+    schema = pa.schema([("l", pa.list_(pa.int64())), ("v", pa.int64())])
+    b = pa.RecordBatch.from_pydict({"l": [[1]], "v": [1]}, schema=schema)
+    # The schema known: the build fails, naming the operator and the column.
+    with pytest.raises(timely.BuildError, match=r"'ByList'.*key column 'l' has type list<item: int64>"):
+        run_epochs(lambda s: columnar.from_batches(s, schema).exchange_by("l", name="ByList").to_rows(), [[]], 1)
+    with pytest.raises(timely.BuildError, match=r"'Agg'.*key column 'l'"):
+        run_epochs(lambda s: columnar.from_batches(s, schema).aggregate_by("l", {"v": "sum"}, name="Agg").to_rows(),
+                   [[]], 1)
+    # The schema unknown: the first batch fails, naming them.
     for workers in (1, 2):
         with pytest.raises((timely.WorkerError, timely.OperatorError), match=r"'ByList'.*'l'"):
-            run_epochs(lambda s: columnar.from_batches(s, schema).exchange_by("l", name="ByList").to_rows(),
+            run_epochs(lambda s: columnar.from_batches(s).exchange_by("l", name="ByList").to_rows(),
                        [[b]], workers)
 
 

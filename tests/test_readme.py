@@ -32,11 +32,11 @@ def test_a_first_dataflow_runs_as_a_script_and_under_the_launcher(tmp_path):
     source = example("## A first dataflow")
     direct = run(tmp_path, "first.py", source)
     assert direct.returncode == 0, direct.stderr
-    assert "['any msgpack-able value', 'any msgpack-able value']" in direct.stdout
+    assert "['any picklable value', 'any picklable value']" in direct.stdout
     assert direct.stdout.count("('a', 2)") == 3 and direct.stdout.count("('b', 1)") == 3  # 3 epochs
     launched = run(tmp_path, "first.py", source, "-m", "timely.launch", "-w", "2")
     assert launched.returncode == 0, launched.stderr
-    assert launched.stdout.count("('a', 2)") == 3 and "msgpack-able" not in launched.stdout
+    assert launched.stdout.count("('a', 2)") == 3 and "picklable" not in launched.stdout
 
 
 @pytest.mark.timeout(120)

@@ -20,7 +20,7 @@ from ..dataflow import Stream
 from ..dataflow.handles import Notificator, OperatorInput, OperatorOutput
 from ..errors import BuildError
 from .channels import ColumnExchange
-from .kernels import Aggregation
+from .kernels import SUPPORTED_TYPES, Aggregation, _hashable
 
 Columns = str | Sequence[str]
 
@@ -100,6 +100,18 @@ class BatchStream:
             if c not in self.schema.names:
                 raise BuildError(f"operator '{name}': no column '{c}' in the stream's schema {self.schema.names}")
 
+    def _key_columns(self, name: str, columns: Sequence[str]) -> None:
+        """Fail at build when the schema is known and lacks a key column or has one of a type
+        that cannot be hashed (else the first batch fails, naming the operator and the column)."""
+        self._column_names(name, columns)
+        if self.schema is None:
+            return
+        for c in columns:
+            t = self.schema.field(c).type
+            if not _hashable(t):
+                raise BuildError(f"operator '{name}': key column '{c}' has type {t}, which cannot be hashed "
+                                 f"(supported: {SUPPORTED_TYPES})")
+
     def _map(self, name: str, f: Callable[[pa.RecordBatch], pa.RecordBatch], schema: pa.Schema | None) -> BatchStream:
         check = _checker(name, self.schema)
 
@@ -166,7 +178,7 @@ class BatchStream:
         the row path's ``exchange`` picks for the same key."""
         name = self._name("ExchangeBy", name)
         pact = ColumnExchange(columns)
-        self._column_names(name, pact.columns)
+        self._key_columns(name, pact.columns)
         check = _checker(name, self.schema)
 
         def constructor(cap: Any, info: Any) -> Callable:
@@ -191,7 +203,8 @@ class BatchStream:
         name = self._name("AggregateBy", name)
         key_list = [keys] if isinstance(keys, str) else list(keys)
         pact = ColumnExchange(key_list)
-        self._column_names(name, [*key_list, *aggregations])
+        self._key_columns(name, key_list)
+        self._column_names(name, aggregations)
         out_schema = None
         if self.schema is not None:
             try:
