@@ -64,6 +64,10 @@ from timely import collector
 
 # -- analysis --------------------------------------------------------------------------------------
 
+#: Window lengths (seconds) of a no-migration run's null maxima (``null_max``).
+NULL_STEP = 0.25
+
+
 def analyse(cfg: dict, results: list[dict]) -> dict:
     """Figures of one run from its workers' results."""
     peers = len(results)
@@ -131,6 +135,11 @@ def analyse(cfg: dict, results: list[dict]) -> dict:
     out.update(mig_max=ws["max"], mig_p99=ws["p99"], mig_p50=ws["p50"], steady_p50=ss["p50"], steady_p99=ss["p99"],
                steady_p999=ss["p99.9"], steady_max=ss["max"], after_p99=after["p99"], after_max=after["max"],
                overall_max=float(np.nanmax(lat)))
+    if cfg["mode"] == "none":
+        # The null reference of the pre-copy target: the maximum over windows of every length (in
+        # steps of NULL_STEP s) from the migration time, with nothing migrating.
+        out["null_max"] = {int(w * 1000): percentiles(lat[(sched >= begin) & (sched < begin + w)])["max"]
+                           for w in np.arange(NULL_STEP, cfg["duration"] - begin + 1e-9, NULL_STEP)}
     last = float(np.nanmax(comp_all))
     out["throughput"] = len(sched) / last
     out["offered"] = cfg["rate"]
@@ -209,8 +218,29 @@ def run_line(run: int, mode: str, m: dict) -> str:
             f"{m['wall_s']:.0f} s")
 
 
-def verdicts(medians: dict[str, dict]) -> list[str]:
-    """The targets: batched's maximum latency against all-at-once's and the plain exchange's p99."""
+def null_reference(mode: str, runs: dict[str, list[dict]]) -> str | None:
+    """How often a run without migration (``none``) meets ``mode``'s target by itself: its maximum
+    over a window as long as ``mode``'s median migration window, from the migration time, against
+    its own steady p99.9. None without ``none`` runs."""
+    if not runs.get("none") or not runs.get(mode):
+        return None
+    window = statistics.median(m["window"] for m in runs[mode])
+    pairs = []
+    for m in runs["none"]:
+        lengths = sorted(m["null_max"])
+        w = min(lengths, key=lambda x: abs(x - window * 1000))
+        pairs.append((m["null_max"][w], m["steady_p999"]))
+    within = sum(x <= p for x, p in pairs)
+    return (f"{mode}: a run without migration over the same window ({window:.2f} s from the migration time) had a max "
+            f"of {'/'.join(fmt_ms(x) for x, _ in pairs)} ms against its steady p99.9 "
+            f"{'/'.join(fmt_ms(p) for _, p in pairs)} ms: within in {within} of {len(pairs)} (the noise floor of "
+            f"the target); the migration's max {'/'.join(fmt_ms(m['mig_max']) for m in runs[mode])} ms")
+
+
+def verdicts(medians: dict[str, dict], runs: dict[str, list[dict]] | None = None) -> list[str]:
+    """The targets: batched's maximum latency against all-at-once's and the plain exchange's p99;
+    pre-copy's and replicas' maximum against their steady p99.9 (with ``runs`` holding ``none``
+    runs, against what a run without migration gives over the same window) and stop-and-restart's."""
     out = []
     if "batched" in medians and "all_at_once" in medians:
         r = medians["all_at_once"]["mig_max"] / medians["batched"]["mig_max"]
@@ -227,6 +257,9 @@ def verdicts(medians: dict[str, dict]) -> list[str]:
         done = "" if m.get("complete", 1) else " (the migration did not finish within the run)"
         out.append(f"{mode} max latency {fmt_ms(m['mig_max'])} ms vs its steady p99.9 {fmt_ms(m['steady_p999'])} ms "
                    f"(target: within): {'MET' if m['mig_max'] <= m['steady_p999'] else 'NOT met'}{done}")
+        null = null_reference(mode, runs or {})
+        if null is not None:
+            out.append(null)
         if "restart" in medians:
             r = medians["restart"]["mig_max"] / m["mig_max"]
             out.append(f"{mode} max latency {r:.0f}x below stop-and-restart's {fmt_ms(medians['restart']['mig_max'])} ms "
@@ -351,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
               f"p99 {fmt_ms(m['steady_p99'])} ms, max {fmt_ms(m['steady_max'])} ms")
     print("runq wait = share of wall time a worker was runnable but waiting for a CPU taken by other processes "
           "(/proc schedstat; max over workers and phases)")
-    verdict = verdicts(medians)
+    verdict = verdicts(medians, runs)
     for v in verdict:
         print(v)
     print(f"load average at end {os.getloadavg()[0]:.2f}; total {time.time() - t_all:.0f} s")
