@@ -136,3 +136,39 @@ def test_workers_that_disagree_on_the_mode_get_a_clear_error(relay_is_direct):
 def test_the_launcher_takes_the_mode(tmp_path):
     counted = launch_counting_job(tmp_path, 3, "--progress", "relay")
     assert len(counted) == 3 and sum(counted) == 3 * 5 * 10
+
+
+def _many_times_held(worker: timely.Worker) -> int:
+    """An operator holds capabilities for 400 times, then drops them all in one step: each
+    worker's progress batch of that step is ~3 KB, and the relay gets all of them at once."""
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+
+        def constructor(cap, info):
+            held = [cap.delayed(t) for t in range(1, 400)]
+            cap.drop()
+
+            def logic(input, output):
+                for _ in input:
+                    pass
+                if input.frontier.is_empty():
+                    while held:
+                        held.pop().drop()
+
+            return logic
+
+        probe = inp.stream.unary_frontier(constructor).probe()
+    inp.send(1)
+    inp.close()
+    worker.step_while(lambda: not probe.done(), timeout=30)
+    return worker.index
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("progress", ["direct", "relay"])
+def test_forwarded_batches_beyond_one_message_are_split(progress):
+    """The relay forwards what it received in a step as several messages when together they exceed
+    ``max_message_bytes`` (each batch whole); before, worker 0 failed with MessageTooLarge."""
+    from timely.cluster import execute_cluster
+
+    assert execute_cluster(_many_times_held, 3, progress=progress, timeout=60, max_message_bytes=4096) == [0, 1, 2]

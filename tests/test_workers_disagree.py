@@ -41,6 +41,26 @@ def test_a_worker_with_one_more_dataflow_raises_instead_of_idling(extra):
 
 
 @pytest.mark.timeout(120)
+def test_a_loop_of_plain_steps_raises_too():
+    """``while worker.step(): ...`` (steps that never wait) gets the same error: the check runs on
+    an idle step whether or not it would park."""
+    def main(worker):
+        shared(worker)
+        if worker.index == 1:
+            with worker.dataflow() as scope:
+                inp = scope.new_input()
+                inp.stream.map(lambda x: x).probe()
+            inp.close()
+            while worker.step():
+                pass
+        return worker.index
+
+    with pytest.raises(timely.WorkerError) as ei:
+        timely.execute(main, workers=2, timeout=TIMEOUT)
+    assert "ProgressMismatchError" in str(ei.value) and "worker 0 finished without building it" in str(ei.value)
+
+
+@pytest.mark.timeout(120)
 def test_workers_with_the_same_dataflows_finish():
     def main(worker):
         shared(worker)

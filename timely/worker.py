@@ -133,7 +133,7 @@ class Worker:
             timeout = CHECKPOINT_POLL if timeout is None else min(timeout, CHECKPOINT_POLL)
         # Peers that finished before this step's receive: all they sent is in the pullers, and
         # the steps below read it (the progress channels completely).
-        finished = alloc.finished()
+        finished = frozenset(alloc.finished())  # a snapshot: release() below may receive more
         alloc.receive()
         metrics = self.metrics
         unread = metrics.before_take()
@@ -149,10 +149,10 @@ class Worker:
         if not did and not any(df.busy() for df in self._dataflows):
             # Idle: first the operators that asked to run on an idle worker (the next step runs
             # them), then, with nothing left, the park.
-            if any([df.wake_idle() for df in self._dataflows]) or timeout == 0:
-                return bool(self._dataflows)
             if finished:
                 self._check_built(finished)
+            if any([df.wake_idle() for df in self._dataflows]) or timeout == 0:
+                return bool(self._dataflows)
             timers = [t for t in (df.next_timer() for df in self._dataflows) if t is not None]
             if timers:
                 timeout = min(timers) if timeout is None else min(timeout, *timers)

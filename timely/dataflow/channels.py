@@ -128,7 +128,7 @@ class PipelineChannel(Channel):
 #: parts, which are gathered here with the parts of the next batches of the same time.
 BUFFER_RECORDS = 4096
 #: Bytes a message may take beyond its records' encodings (its time, array headers).
-_SLACK = 4096
+SLACK = 4096
 
 
 class _RemoteChannel(Channel):
@@ -147,7 +147,7 @@ class _RemoteChannel(Channel):
         remote = self.pushers[(self.index + 1) % self.peers]
         self._encode = remote.encode_items
         limit = remote.max_bytes
-        self._max_body = max(1, limit - _SLACK) if limit is not None else float("inf")
+        self._max_body = max(1, limit - SLACK) if limit is not None else float("inf")
         self._pending: list[Channel] = df.ctx.pending
         self._bodies: list[list | None] = [None] * df.peers  # per worker: encoded pieces gathered for it
         self._counts = [0] * df.peers  # per worker: records in those pieces
