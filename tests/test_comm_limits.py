@@ -222,6 +222,45 @@ def test_the_mailbox_stops_reading_when_full_and_nothing_is_lost(no_leftovers, t
         assert 0 < worst <= MiB + 200_000, worst
 
 
+
+def test_messages_for_a_channel_not_allocated_yet_do_not_stop_reading(no_leftovers, tmp_path):
+    """Worker 1 runs ahead and sends 4 MiB on channel 1, which worker 0 has not allocated; worker 2
+    then sends the message worker 0 needs on channel 0 before it can go on (its last progress, say).
+    Worker 0 must read it although it holds more than ``mailbox_bytes`` for channel 1: counting
+    those bytes stopped it reading for good. Then channel 1 gets everything, in order."""
+    endpoints = ipc_endpoints(str(tmp_path), 3)
+    flood = 64
+
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 3, endpoints, "job", mailbox_bytes=MiB)
+        try:
+            pushers, puller = alloc.allocate(0)
+            if index == 1:
+                ahead, _ = alloc.allocate(1)
+                for i in range(flood):
+                    ahead[0].push((i, b"x" * 65536))
+                    alloc.release()
+            elif index == 2:
+                time.sleep(0.5)  # after the flood has arrived
+                pushers[0].push("the last word on channel 0")
+            else:
+                got = []
+                for m in _pump(alloc, [puller], lambda: bool(got), timeout=20):
+                    got.append(m)
+                _, later = alloc.allocate(1)
+                seen: list = []
+                for i, _ in _pump(alloc, [later], lambda: len(seen) >= flood, timeout=20):
+                    seen.append(i)
+                report((got, seen))
+                return
+            report(None)
+        finally:
+            alloc.close()
+
+    results = _results(supervise(entry, range(3), timeout=60))
+    assert results[0] == (["the last word on channel 0"], list(range(flood)))
+
+
 # -- the job secret ------------------------------------------------------------------------------
 def _count_job(worker):
     """Each worker sends 300 keyed records through an exchange; per-key counts come back."""

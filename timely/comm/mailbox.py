@@ -9,9 +9,14 @@ those messages wait in the mailbox until the channel is allocated.
 Unread bytes. :attr:`Mailbox.unread_bytes` counts the encoded size of the peers' messages (with
 their buffers, for ``push_buffers``) the worker has not taken yet: delivered, and not yet reported
 by :meth:`Mailbox.take_events` (the worker reads every reported channel's puller right after
-taking its events), or waiting for a channel not allocated yet. The remote allocator stops reading
-from the network while it is over its budget, so a slow worker holds a bounded amount of received
-data and its senders wait.
+taking its events). The remote allocator stops reading from the network while it is over its
+budget, so a slow worker holds a bounded amount of received data and its senders wait.
+
+Messages waiting for a channel not allocated yet do not count until it is allocated (then they
+are unread on it, until the next take): they are held however large. Invariant relied on: what
+lets this worker reach that channel (the last messages of the dataflows before it, from any peer)
+comes over the same connection, so stopping to read because a peer ran ahead could stop this
+worker for good.
 """
 from __future__ import annotations
 
@@ -107,7 +112,7 @@ class Mailbox:
         # A peer may be ahead of us: what it already sent on this channel is waiting here.
         waiting = self._pending.pop(channel, None)
         self._pending_from.pop(channel, None)
-        self._pending_bytes.pop(channel, None)  # still unread, until the next take_events
+        self.unread_bytes += self._pending_bytes.pop(channel, 0)  # unread now, until the next take_events
         if waiting:
             puller.queue.extend(waiting)
             self.events.add(channel)
@@ -125,25 +130,24 @@ class Mailbox:
         if puller is not None:
             puller.queue.append(message)
             self.events.add(channel)
+            self.unread_bytes += size
         elif channel > self._last:
             if channel not in self._pending:  # the sender is ahead of us
                 self._pending[channel] = []
                 self._pending_from[channel] = source
                 self._pending_bytes[channel] = 0
             self._pending[channel].append(message)
-            self._pending_bytes[channel] += size
+            self._pending_bytes[channel] += size  # not unread yet (see the module docstring)
         else:
             raise self._mismatch(channel, self._last, source)
-        self.unread_bytes += size
 
     def take_events(self) -> list[int]:
         """Return (and clear) the ids of channels that received messages since the last call.
 
-        The caller reads these channels' pullers now: from here on only the messages still
-        waiting for unallocated channels count as unread."""
+        The caller reads these channels' pullers now: nothing counts as unread any more."""
         ev = sorted(self.events)
         self.events.clear()
-        self.unread_bytes = sum(self._pending_bytes.values()) if self._pending_bytes else 0
+        self.unread_bytes = 0
         return ev
 
     def close(self) -> None:

@@ -37,7 +37,8 @@ messages) waits in a per-peer backlog; ``release`` flushes, and while a peer's b
 other cannot deadlock and a slow consumer slows its producers. Received messages the worker has
 not taken yet (its mailbox) are bounded too: past ``mailbox_bytes`` nothing more is read from
 ZeroMQ (so the senders' queues fill and they wait), and ``release`` stops waiting (the worker must
-read its mailbox first). Nothing is ever dropped.
+read its mailbox first). Messages for channels this worker has not allocated yet do not count
+until it does (see :mod:`timely.comm.mailbox`). Nothing is ever dropped.
 
 Goodbye. ``close()`` sends ``GOODBYE`` after the last data message to every peer, then keeps
 receiving until each live peer answers ``ACK`` (it has read the ``GOODBYE``, hence everything before
@@ -125,7 +126,8 @@ class ZmqAllocator:
       not apply; an explicit ``hwm`` (messages) overrides it.
 
     and j's mailbox (received, not yet taken by j's dataflows, from all peers together) holds at
-    most ``mailbox_bytes`` (default 16 MiB) plus one message.
+    most ``mailbox_bytes`` (default 16 MiB) plus one message, besides messages for channels it has
+    not allocated yet.
 
     Tuning: ``heartbeat_ivl`` /
     ``heartbeat_timeout`` seconds (TCP keepalive probes, and the time data may stay unacknowledged:
