@@ -185,6 +185,24 @@ class Shared:
         if dump is not None:
             dump()  # removes it from frozen
 
+    def install_part(self, b: int, part: Any) -> Bin:
+        """Add the chunk ``part`` of bin ``b``, moving here whole (its first chunk makes the bin);
+        return the bin.
+
+        A copy of the bin may be under way already (megaphone.precopy: asked for at a later time,
+        compiled before every chunk arrived): the chunk's keys changed since its snapshot, so the
+        keys ``state_machine`` tracks get them (a :class:`~megaphone.precopy.TrackedState` voids
+        its copy by itself on the bulk update)."""
+        bin_ = self.bins[b]
+        if bin_ is None:
+            bin_ = self.bins[b] = Bin(self.codec.empty())
+        self.thaw(b)
+        bin_.state = self.codec.install(bin_.state, part)
+        tracked = self.tracked.get(b) if self.tracked else None
+        if tracked is not None:
+            tracked.update(part)  # a chunk of a dict state: its keys
+        return bin_
+
     def table_at(self, time: Any) -> Table:
         """The routing table in force at ``time`` (ARCHITECTURE 5.3: records route by their own time)."""
         return self.config_tables[bisect_right(self.config_times, time) - 1]

@@ -294,8 +294,10 @@ class PreCopier:
         bin_ = shared.bins[b]
         reason = None
         other = self.copies.get(b)
-        if target == shared.index or bin_ is None or shared.routing_table()[b] != shared.index:
+        if target == shared.index or shared.routing_table()[b] != shared.index:
             reason = "not held here"
+        elif bin_ is None:
+            reason = "not arrived yet (its move here is under way)"
         elif other is not None and other.target == target:
             reason = f"a {'replica' if other.replica else 'copy'} is on worker {target} already"
             if replica and not other.replica:  # the copy under way stays on as a replica
@@ -315,7 +317,7 @@ class PreCopier:
                                   "worker": shared.index})
         if reason is not None:
             cap.drop()
-            if bin_ is not None and target != shared.index:
+            if (bin_ is not None or reason.startswith("not arrived")) and target != shared.index:
                 shared.events.append({"kind": "precopy", "time": cap.time, "bins": [b], "to": [target],
                                       "skipped": reason, "worker": shared.index, "replica": replica})
             return

@@ -154,11 +154,7 @@ class StateOperator:
                     part, timers = codec.unpack(payload)
                     nbytes += codec.nbytes(payload)
                     entries += codec.size(part)
-                    bin_ = shared.bins[b]
-                    if bin_ is None:
-                        bin_ = shared.bins[b] = Bin(codec.empty())
-                    shared.thaw(b)
-                    bin_.state = codec.install(bin_.state, part)
+                    bin_ = shared.install_part(b, part)
                 bins.add(b)
                 if shared.dirty is not None:
                     shared.dirty.add(b)  # moved in: this worker offers it at its next checkpoint epoch

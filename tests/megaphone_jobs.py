@@ -81,14 +81,16 @@ def observed_count(outputs):
 class LiveCount:
     """A keyed running count over ``2^k`` bins on one worker (the bins on the first ``workers``
     workers, default all); its data and control inputs advance together, one epoch per
-    :meth:`advance`. ``machine`` is the megaphone operator handle."""
+    :meth:`advance`. ``machine`` is the megaphone operator handle; ``chunk``: the most entries in
+    one state message of a bin moving whole (the operator's default when None)."""
 
-    def __init__(self, worker, k: int, workers: int | None = None) -> None:
+    def __init__(self, worker, k: int, workers: int | None = None, chunk: int | None = None) -> None:
         self.worker = worker
         with worker.dataflow() as scope:
             self.data = scope.new_input()
             self.control = ControlInput(scope, k=k, workers=workers)
-            self.machine = megaphone.state_machine(self.data.stream, self.control, 0, count_fold)
+            self.machine = megaphone.state_machine(self.data.stream, self.control, 0, count_fold,
+                                                   **({} if chunk is None else {"chunk": chunk}))
             self.captured = self.machine.stream.capture()
         self.epoch = 0
         self.sent: list[list] = []  # the records sent at each epoch, in order

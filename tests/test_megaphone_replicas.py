@@ -3,7 +3,8 @@ another worker and refreshed with the keys changed since, so a move there ships 
 
 * A model of one replica, F's :class:`PreCopier` and S's :class:`Staging` with a simulated copy
   edge: hypothesis interleaves the fold's reads, writes, in-place changes, deletions and
-  iterations with refresh rounds, sends and deliveries in any order timely allows (a refresh starts
+  iterations, and late chunks of the bin's own whole move installed into it
+  (``Shared.install_part``), with refresh rounds, sends and deliveries in any order timely allows (a refresh starts
   only once the previous one is staged; chunks of the one in flight arrive in any order, also after
   the hand-over), then hands the bin over: the staged copy with the delta is exactly the owner's
   state, and whatever arrives after the hand-over is ignored.
@@ -66,7 +67,8 @@ class Edge:
         return all(c.time > t for c in self.caps) and all(time > t for time, _ in self.flight)
 
 
-KINDS = ["write"] * 4 + ["append", "read", "delete"] * 2 + ["iterate"] + ["refresh", "step"] * 4 + ["deliver"] * 6
+KINDS = (["write"] * 4 + ["append", "read", "delete"] * 2 + ["iterate", "install"] + ["refresh", "step"] * 4
+         + ["deliver"] * 6)
 OPS = st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, 11), st.integers(0, 1000)), max_size=80)
 
 
@@ -121,6 +123,9 @@ def check_replica(ops: list, late: list, size: int, records: bool = False) -> in
     while edge.flight:
         deliver(0)
     for op, key, v in ops:
+        if op == "install":  # a late chunk of the bin's whole move here (megaphone.bins.Shared.install_part)
+            owner.install_part(0, {key: [v]})
+            continue
         if records:
             if op == "iterate":
                 continue  # a state_machine record reaches only its own key
