@@ -111,7 +111,9 @@ class StateCodec:
         """The states of several bins as one (:meth:`megaphone.Migratable.state`)."""
         merged: dict = {}
         for state in states:
-            merged.update(state)
+            # dict's own items: reading a bin copied ahead (a TrackedState) must not count as the
+            # fold iterating it, which would void its copy (megaphone.precopy)
+            merged.update(dict.items(state))
         return merged
 
 

@@ -308,7 +308,9 @@ class PreCopier:
             reason = "state is not a dict of rows"
         elif len(bin_.state) < self.min_entries:
             reason = f"small ({len(bin_.state)} entries)"
-        if reason is None and other is not None:  # the copy elsewhere gives way: its target drops it
+        if other is not None and other.target != target and (reason is None or reason.startswith(("small", "state"))):
+            # The copy elsewhere gives way, its target drops it: also when the new one is not made
+            # (a small bin, not rows), as the request moved the bin's copy away from there.
             self._end(other)
             self._end_round_without_replicas()
             out.give_batch(cap, [self._drop_record(other)])
@@ -474,7 +476,8 @@ class PreCopier:
         so that no record waits behind it, except a record that arrives during it (at most
         :attr:`budget`). A slice that has waited :attr:`budget` / :attr:`share` beyond the rate
         limit for an idle worker runs at the next activation all the same: a worker that is never
-        idle still copies at about :attr:`share`.
+        idle still copies, at about half of :attr:`share` (its slices of :attr:`budget` come every
+        rate limit plus that grace, ``2 * budget / share``).
 
         The rate limit: a slice of ``spent`` seconds is followed by ``spent / share - spent`` without
         copying, where ``share`` is :attr:`share` or, if more, :data:`IDLE_FRACTION` of the share of

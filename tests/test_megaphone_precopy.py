@@ -31,6 +31,22 @@ from megaphone.precopy import TrackedState, _overflow, _reached
 from megaphone.table import TableError, balanced
 
 
+def test_reading_a_workers_state_leaves_its_copies_alone():
+    """``Migratable.state()`` (the codec's ``merged``) reads bins copied ahead without voiding
+    their copies: only the fold iterating a bin does."""
+    from megaphone.bins import ROWS
+
+    s = BinState({i: i for i in range(10)})
+    _reached[id(s)] = set()
+    s.__class__ = TrackedState
+    try:
+        assert ROWS.merged([s, BinState({20: 1})]) == {**{i: i for i in range(10)}, 20: 1}
+        assert id(s) not in _overflow and type(s) is TrackedState and _reached[id(s)] == set()
+    finally:
+        _overflow.discard(id(s))
+        del _reached[id(s)]
+
+
 def test_tracked_state_records_reached_keys_and_voids_on_iteration():
     s = BinState({i: i for i in range(10)})
     _reached[id(s)] = set()

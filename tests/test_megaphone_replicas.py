@@ -251,6 +251,23 @@ def test_a_copy_to_the_replicas_worker_keeps_the_replica():
     assert [c.time for c in edge.caps] == [1]
 
 
+def test_a_replica_asked_elsewhere_is_dropped_even_when_no_new_copy_is_made():
+    """Asking for a replica on another worker moves it: the old one is dropped there, also when the
+    new one is not made (the bin is now too small to copy)."""
+    owner = Shared("model", 1, 0, 3)
+    for key in range(10):
+        owner.bins[0].state[key] = key
+    edge = Edge()
+    f = PreCopier(owner, chunk=3, budget=0.0, min_entries=0, share=1.0, refresh=0.0)
+    f.start(0, 1, Cap(edge, 1), edge, replica=True)
+    f.min_entries = 100  # as if the bin had shrunk below the size worth copying
+    f.start(0, 2, Cap(edge, 2), edge, replica=True)
+    assert f.copies == {} and f.replicas == 0
+    assert [r[2] for _, r in edge.flight if r[0] == 1] == [None]  # worker 1 is told to drop its replica
+    assert [(e.get("dropped"), e.get("skipped")) for e in owner.events] == [
+        ("a copy to another worker was requested", None), (None, "small (10 entries)")]
+
+
 def test_replicas_are_checked_and_reported():
     def main(worker):
         with worker.dataflow() as scope:
