@@ -253,6 +253,11 @@ class PreCopier:
         self.budget = BUDGET if budget is None else budget
         self.share = SHARE if share is None else share
         self.resume = 0.0  # perf_counter time before which no copying is done (the rate limit)
+        self._latest = 0.0  # perf_counter time the last ``latest`` asked for comes (see step)
+        # How long past the rate limit a slice waits for an idle worker before it runs anyway: as
+        # long as the rate limit after the previous slice (at first, after a whole budget). A
+        # slice cut short (it gave way) is followed by a short wait: the copy keeps its pace.
+        self._grace = self.budget / self.share
         self._slice_end: tuple[float, tuple[float, float] | None] | None = None  # (perf_counter, thread times)
         self.min_entries = MIN_ENTRIES if min_entries is None else min_entries
         self.refresh_every = REFRESH if refresh is None else refresh
@@ -474,22 +479,29 @@ class PreCopier:
 
         When: a slice runs when the worker has nothing else to do (``Activator.activate_when_idle``),
         so that no record waits behind it, except a record that arrives during it (at most
-        :attr:`budget`). A slice that has waited :attr:`budget` / :attr:`share` beyond the rate
-        limit for an idle worker runs at the next activation all the same: a worker that is never
-        idle still copies, at about half of :attr:`share` (its slices of :attr:`budget` come every
-        rate limit plus that grace, ``2 * budget / share``).
+        :attr:`budget`). A slice that has waited beyond the rate limit for an idle worker as long as
+        that limit lasted (``spent / share`` after a slice of ``spent`` seconds; at first
+        :attr:`budget` / :attr:`share`) runs at the next activation all the same: a worker that
+        is never idle still copies, at about half of :attr:`share`, and a slice that gave way
+        early is followed by a short wait.
 
         The rate limit: a slice of ``spent`` seconds is followed by ``spent / share - spent`` without
         copying, where ``share`` is :attr:`share` or, if more, :data:`IDLE_FRACTION` of the share of
         time this worker's thread was idle since the previous slice (neither running nor waiting
         for a CPU: a worker that waits for a core taken by others is not idle), at most
-        :data:`MAX_SHARE`. A busy worker copies at :attr:`share`; an idle one up to
+        :data:`MAX_SHARE`. A busy worker copies at about half of :attr:`share`; an idle one up to
         ``MAX_SHARE / share`` times as fast (5x by default), in slices of :attr:`budget` that delay a record by at most that."""
         began = _time.perf_counter()
-        if began < self.resume:
-            return self.resume - began, None
-        if busy and began < self.resume + self.budget / self.share:
-            return 0.0, None
+        overdue = self.resume + self._grace
+        if began < self.resume or (busy and began < overdue):
+            # Not due (on a busy worker: not overdue): come back when idle, and at the latest when
+            # overdue. The latter is asked for once per rate limit: a copy begun after the
+            # previous slice had sent everything (no ``latest`` pending) must not wait for an idle
+            # moment that a worker never idle, routing no records here, would never have.
+            if self._latest < overdue:
+                self._latest = overdue
+                return max(0.0, self.resume - began), overdue - began
+            return max(0.0, self.resume - began), None
         self._gives_way = not busy  # (busy here: overdue, it runs its budget whatever waits)
         share = self.share
         last = self._slice_end
@@ -501,11 +513,13 @@ class PreCopier:
         finally:
             end = _time.perf_counter()
             self.resume = began + (end - began) / share  # this slice, then (1 - share) of idle copying
+            self._grace = (end - began) / self.share
             self._slice_end = (end, _thread_times())
         if more is None:
             return None
         wait = self.resume - end
-        return wait, wait + self.budget / self.share
+        self._latest = self.resume + self._grace
+        return wait, wait + self._grace
 
     def _send(self, out: OperatorOutput, began: float) -> float | None:
         codec = self.shared.codec

@@ -268,6 +268,24 @@ def test_a_replica_asked_elsewhere_is_dropped_even_when_no_new_copy_is_made():
         ("a copy to another worker was requested", None), (None, "small (10 entries)")]
 
 
+def test_a_copy_begun_within_the_rate_limit_still_asks_to_run_when_overdue():
+    """A copy that begins while the rate limit holds, after the previous slice had sent every
+    chunk (so no ``latest`` timer is pending), asks for one: on a worker that is never idle and
+    routes no records to F, waiting only for an idle moment would stall it."""
+    owner = Shared("model", 2, 0, 2)  # bins 0 and 2 on worker 0
+    for b in (0, 2):
+        for key in range(10):
+            owner.bins[b].state[key] = key
+    edge = Edge()
+    f = PreCopier(owner, chunk=100, budget=1.0, min_entries=0, share=0.01, refresh=0.0)
+    f.start(0, 1, Cap(edge, 1), edge)
+    assert f.step(edge) is None  # one slice sends the whole bin: nothing more to do
+    f.start(2, 1, Cap(edge, 2), edge)  # the rate limit still holds (the slice, 100 times over)
+    idle, latest = f.step(edge)
+    assert idle > 0 and latest is not None and latest >= idle
+    assert f.step(edge)[1] is None  # asked once per rate limit, not at every activation
+
+
 def test_replicas_are_checked_and_reported():
     def main(worker):
         with worker.dataflow() as scope:
@@ -382,8 +400,9 @@ def test_a_batched_rebalance_onto_replicas_equals_the_sequential_count(seed, wor
 
 def test_copy_slices_wait_for_an_idle_worker_unless_overdue():
     """A worker that routed records in this activation (``busy``) sends no copy chunk and asks to
-    come back when idle, until the slice is ``budget / share`` overdue; an idle one sends at once.
-    After a slice, it names both the idle wait and the latest time to come back."""
+    come back when idle, and once per rate limit at the latest, when the slice is overdue (at first
+    ``budget / share`` past the limit; after a slice of ``spent`` seconds, ``spent / share``); an
+    idle one sends at once. After a slice, it names both the idle wait and the latest time."""
     owner = Shared("model", 1, 0, 2)
     for key in range(100_000):  # more than one slice of 1 ms sends
         owner.bins[0].state[key] = [key]
@@ -391,12 +410,15 @@ def test_copy_slices_wait_for_an_idle_worker_unless_overdue():
     f = PreCopier(owner, chunk=3, budget=0.001, min_entries=0, share=0.5)
     f.start(0, 1, Cap(edge, 1), edge)
     f.resume = _time.perf_counter()  # the rate limit allows a slice from now on
-    assert f.step(edge, busy=True) == (0.0, None) and edge.flight == []  # records first
+    idle, latest = f.step(edge, busy=True)
+    assert idle == 0.0 and latest == pytest.approx(0.001 / 0.5, abs=1e-3) and edge.flight == []  # records first
+    assert f.step(edge, busy=True) == (0.0, None)  # the latest time is asked for once
     idle, latest = f.step(edge, busy=False)
-    assert edge.flight and latest is not None and latest == pytest.approx(idle + 0.001 / 0.5)
+    assert edge.flight and latest is not None and latest == pytest.approx(idle + f._grace)
+    assert f._grace >= 0.001 / 0.5  # the slice ran its budget: as long a wait for an idle worker
     sent = len(edge.flight)
     assert f.step(edge, busy=True)[1] is None and len(edge.flight) == sent  # within the rate limit: waits
-    f.resume = _time.perf_counter() - 0.001 / 0.5 - 0.001  # waited for an idle worker too long
+    f.resume = _time.perf_counter() - f._grace - 0.001  # waited for an idle worker too long
     assert f.step(edge, busy=True) is not None and len(edge.flight) > sent  # copies all the same
 
 
@@ -413,6 +435,7 @@ def test_a_copy_slice_gives_way_to_waiting_work_after_one_chunk():
     f.start(0, 1, Cap(edge, 1), edge)
     f.waiting = lambda: True
     assert f.step(edge) is not None and len(edge.flight) == 1  # one chunk, then it gives way
+    assert f._grace < f.budget / f.share / 10  # a short slice: a short wait before it runs anyway
     f.resume = 0.0
     calls = []
     f.waiting = lambda: len(calls) > 50 or calls.append(1)  # other work turns up after 51 chunks
