@@ -196,8 +196,26 @@ class AutoBalancer:
         self.needed: int | None = None
         self._next = 0.0
         self._seen = -1
-        self._totals: tuple[float, list[int]] | None = None
+        self._reports: dict[int, tuple[float, list[int]]] = {}  # per worker: the report last seen
+        self._rates: dict[int, list[float]] = {}  # per worker: per-bin records/s between its last two seen
         controller.add_poller(self.poll)
+
+    def _bin_rates(self, reports: dict[int, tuple[float, list[int]]]) -> list[float] | None:
+        """Per-bin records per second, summed over the workers: each worker's over the span between
+        the report seen at the previous evaluation and its newest, by that worker's own report
+        times (a worker whose reports fall unevenly into evaluations, two in one and none in the
+        next, would otherwise read 4/3 and 2/3 of its load: with many workers, an imbalance that is
+        not there). A worker with no new report keeps its rates. None until every worker has some."""
+        for w, (mono, counts) in reports.items():
+            last = self._reports.get(w)
+            if last is not None and mono <= last[0]:
+                continue  # no new report from this worker
+            self._reports[w] = (mono, counts)
+            if last is not None and len(last[1]) == len(counts):
+                self._rates[w] = [(x - y) / (mono - last[0]) for x, y in zip(counts, last[1])]
+        if len(self._rates) < self.controller.peers:
+            return None
+        return [sum(col) for col in zip(*self._rates.values())]
 
     def poll(self) -> None:
         """Evaluate the policy if ``interval`` has passed and new reports arrived (a poller of
@@ -213,13 +231,9 @@ class AutoBalancer:
         agg = bins.get(name) if name is not None else None
         if agg is None or len(view["rated"]) < self.controller.peers:
             return  # some worker's rates are not known yet: its bins would look idle
-        # Rates over this evaluation's interval, from the cumulative per-bin counts of every worker
-        # (steadier than each worker's last report interval, which the reports' timing skews).
-        totals, last = agg["records"], self._totals
-        self._totals = (now, list(totals))
-        if last is None or now <= last[0] or len(last[1]) != len(totals):
+        rates = self._bin_rates(agg["reports"])
+        if rates is None:
             return
-        rates = [(x - y) / (now - last[0]) for x, y in zip(totals, last[1])]
         c = self.controller
         busy = [0.0] * c.peers
         for w in view["workers"]:
@@ -246,33 +260,49 @@ class Steering:
         self.controller = controller
         self.balancer = balancer
         self._requests: queue.Queue[tuple[Any, threading.Event, list[Any]]] = queue.Queue()
+        self._lock = threading.Lock()  # a request is either taken by poll() or given up by submit()
         self._status: dict[str, Any] = {}
         self._next = 0.0
+        self._watched_until = 0.0  # refreshed only while a page asks (a step's as_dict is not free)
         self._refresh()
         controller.add_poller(self.poll)
 
     def status(self) -> dict[str, Any]:
-        """The table, the planned table, the latest migration steps and the AutoBalancer's decisions."""
+        """The table, the planned table, the latest migration steps and the AutoBalancer's decisions
+        (as of the last refresh: kept fresh, every 0.2 s, for 10 s after each call)."""
+        self._watched_until = _time.monotonic() + 10.0
         return self._status
 
     def submit(self, req: Any, timeout: float) -> tuple[bool, dict[str, Any]]:
         """Queue a rebalance request (``{"strategy"?, "table" | "balanced" | "moves"}``) and wait for
-        its answer: ``(ok, reply)``."""
-        done, answer = threading.Event(), [False, {}]  # type: tuple[threading.Event, list[Any]]
-        self._requests.put((req, done, answer))  # answer: [ok, reply], filled by poll()
+        its answer: ``(ok, reply)``. A request the job has not taken within ``timeout`` seconds is
+        given up: it never runs (the page was told it did not)."""
+        done, answer = threading.Event(), [False, {}, "queued"]  # type: tuple[threading.Event, list[Any]]
+        self._requests.put((req, done, answer))  # answer: [ok, reply, state], filled by poll()
         if not done.wait(timeout):
-            return False, {"error": f"the job did not take the request within {timeout:g} s "
-                                    "(worker 0 calls controller.tick() between its epochs)"}
+            with self._lock:
+                given_up = answer[2] == "queued"
+                if given_up:
+                    answer[2] = "given up"
+            if given_up:
+                return False, {"error": f"the job did not take the request within {timeout:g} s, so it will "
+                                        "not run (worker 0 calls controller.tick() between its epochs)"}
+            done.wait()  # taken just now: its answer comes at once
         return bool(answer[0]), dict(answer[1])
 
     def poll(self) -> None:
-        """Answer the queued requests, refresh the status (at most every 0.2 s unless a request came)."""
+        """Answer the queued requests, refresh the status (at most every 0.2 s while a page reads it,
+        and after each request)."""
         asked = False
         while True:
             try:
                 req, done, answer = self._requests.get_nowait()
             except queue.Empty:
                 break
+            with self._lock:
+                if answer[2] == "given up":
+                    continue
+                answer[2] = "taken"
             asked = True
             try:
                 answer[1] = self.rebalance(req)
@@ -280,7 +310,8 @@ class Steering:
             except (TimelyError, ValueError, TypeError) as e:
                 answer[1] = {"error": str(e)}
             done.set()
-        if asked or _time.monotonic() >= self._next:
+        now = _time.monotonic()
+        if asked or self._next <= now < self._watched_until:
             self._refresh()
 
     def rebalance(self, req: Any) -> dict[str, Any]:

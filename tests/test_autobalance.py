@@ -130,6 +130,71 @@ def test_an_unknown_strategy_knob_is_refused():
         megaphone.AutoBalancer(_Controller(), _Worker(), strategy="fast")
 
 
+def test_rates_follow_each_workers_own_report_times():
+    """Eight workers, each applying 1,000 records/s to a bin of its own, report about every second,
+    out of phase and one of them a little faster; the AutoBalancer evaluates every second. A
+    worker's two reports within one evaluation, or none, must not read as 4/3 or 2/3 of its load
+    (with 8 workers that alone crossed the default threshold of 0.25 on an even job)."""
+    class _Controller:
+        peers = 8
+
+        def add_poller(self, poll):
+            pass
+
+    class _Worker:
+        class metrics:
+            hub = object()
+
+    ab = megaphone.AutoBalancer(_Controller(), _Worker())
+    period = [1.0] * 8
+    period[3] = 0.93  # drifts against the evaluations: now and then two reports in one interval
+    seen = 0
+    for e in range(1, 60):
+        now = e * 1.0 + 0.05
+        reports = {}
+        for w in range(8):
+            last = (now - 0.1 * w) // period[w] * period[w] + 0.1 * w  # this worker's newest report
+            reports[w] = (last, [1000 * last if b == w else 0 for b in range(8)])
+        rates = ab._bin_rates(reports)
+        if rates is not None:
+            seen += 1
+            assert rates == pytest.approx([1000.0] * 8), (e, rates)
+    assert seen > 50
+
+
+def test_a_dashboard_request_given_up_never_runs():
+    """A rebalance from the page that the job did not take in time is answered with an error, and
+    it does not run when worker 0 gets to it later; one taken in time runs once."""
+    from megaphone.autobalance import Steering
+
+    class _Controller:
+        peers, nbins, busy, migrations, events = 2, 4, False, 0, []
+        current_table = planned_table = [0, 1, 0, 1]
+
+        def __init__(self):
+            self.started = []
+
+        def add_poller(self, poll):
+            pass
+
+        def rebalance(self, target, strategy):
+            self.started.append(list(target))
+            return len(self.started)
+
+    c = _Controller()
+    steering = Steering(c)
+    ok, reply = steering.submit({"table": [1, 1, 0, 0]}, timeout=0.05)  # nobody polls meanwhile
+    assert not ok and "will not run" in reply["error"]
+    steering.poll()
+    assert c.started == []
+    import threading
+    worker = threading.Timer(0.05, steering.poll)  # worker 0 ticks while the page waits
+    worker.start()
+    ok, reply = steering.submit({"table": [1, 1, 0, 0]}, timeout=10)
+    worker.join()
+    assert ok and reply["migration"] == 1 and c.started == [[1, 1, 0, 0]]
+
+
 def test_workers_needed_uses_true_rates():
     # Two workers, each handling 1000 records/s while busy half of the time: 2000 records per busy
     # second each; 2000 records/s in all need 2000 / (2000 * 0.8) -> 2 workers.

@@ -218,3 +218,47 @@ def test_garbage_collection_spares_markers_being_written_and_drops_other_runs(tm
     in_flight.write_bytes(b"{}")  # this run's reached marker, half written (renamed when done)
     commit_ready(store, 1)
     assert os.listdir(pending) == [in_flight.name]  # the old run's marker is gone, the write in flight stays
+
+
+def test_a_part_written_while_the_committer_lists_is_not_missed(tmp_path) -> None:
+    """Worker 1 writes its part of epoch 40 and moves its reached marker to 50 while worker 0's
+    committer is between listing ``pending/`` and reading the reached markers. The commit must
+    hold that part, or restores lose it (and the clean-up deletes it): the reached markers are read
+    first, the part markers listed after."""
+    store = Store(str(tmp_path), "job")
+    store.write_part(10, 0, {"s": {"a": b"A10"}})
+    store.write_part(10, 1, {"s": {"b": b"B10"}})
+    store.write_reached(0, 50)
+    store.write_reached(1, 30)
+    real_ls, raced = store.fs.ls, []
+
+    def ls(path, *args, **kwargs):
+        names = real_ls(path, *args, **kwargs)
+        if path.endswith("pending") and not raced:
+            raced.append(1)  # worker 1 goes on, between this listing and what the committer reads next
+            store.write_part(40, 1, {"s": {"b": b"B40"}})
+            store.write_reached(1, 50)
+        return names
+
+    store.fs.ls = ls
+    epoch, parts = store.committable(2)
+    store.fs.ls = real_ls
+    assert epoch == 50 and raced
+    assert sorted((p["epoch"], p["worker"]) for p in parts) == [(10, 0), (10, 1), (40, 1)]
+    manifest = store.commit(epoch, 2, parts)
+    assert store.read(manifest, "s") == {"a": b"A10", "b": b"B40"}
+
+
+def test_a_commit_that_ends_before_it_is_marked_busy_leaves_commits_going(tmp_path) -> None:
+    """The writer thread may run a queued commit to its end before ``poll`` returns from queuing
+    it: the busy flag must not stay set then, or worker 0 never commits again."""
+    from timely.checkpoint import checkpointer
+    ck = checkpointer.Checkpointer(Store(str(tmp_path), "timely"), every=1, index=0, peers=1)
+    try:
+        ck._queue.put_nowait = lambda job: job()  # as if the writer ran it at once
+        ck._handed, ck._committed, ck._next_poll = 1, 0, 0.0
+        ck.poll()
+        assert not ck._commit_busy
+    finally:
+        del ck._queue.put_nowait
+        ck.close()

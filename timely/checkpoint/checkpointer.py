@@ -222,11 +222,13 @@ class Checkpointer:
         if now < self._next_poll:
             return
         self._next_poll = now + POLL
+        # Busy before the commit is queued: the writer thread may run it to its end (which clears
+        # the flag) before put_nowait returns, and a flag set afterwards would stay set for good.
+        self._commit_busy = True
         try:
             self._queue.put_nowait(self._try_commit)
-            self._commit_busy = True
         except queue.Full:
-            pass
+            self._commit_busy = False
 
     def flush(self) -> None:
         """When the job ends: write the parts offered so far, wait for them (worker 0: and, up to

@@ -203,21 +203,30 @@ class Store:
         self._write_atomic(self._path("pending", f"r-w{worker:05d}-{self._run}.json"),
                            json.dumps({"reached": epoch, "final": final}).encode())
 
+    def _pending_names(self) -> list[str]:
+        """The file names in ``pending/``, listed afresh (not from a listings cache)."""
+        path = self._path("pending")
+        self.fs.invalidate_cache(path)
+        return [n.rsplit("/", 1)[-1] for n in self.fs.ls(path, detail=False)]
+
     def committable(self, peers: int) -> tuple[int, list[dict]] | None:
         """The newest epoch that every worker of this run has reached, above the newest manifest,
         with the part records (several per worker, or none) up to it; ``None`` when there is none."""
         try:
-            names = [n.rsplit("/", 1)[-1] for n in self.fs.ls(self._path("pending"), detail=False)]
             reached: dict[int, tuple[int, bool]] = {}
             markers: list[tuple[int, int, str]] = []
             suffix = f"-{self._run}.json"
-            for n in names:
-                if not n.endswith(suffix):
-                    continue  # another run's marker
-                if n.startswith("r-w"):
+            # The reached markers first, then a second listing for the part markers. Invariant
+            # relied on: a worker writes a part's marker before it moves its reached marker past
+            # that part's epoch, so every part up to the reached epoch read is in the later listing
+            # (one listing for both could show a reached marker that moved past a part written
+            # after the listing: the commit would miss that part, and the clean-up delete it).
+            for n in self._pending_names():
+                if n.endswith(suffix) and n.startswith("r-w"):
                     r = json.loads(self.fs.cat_file(self._path("pending", n)))
                     reached[int(n[3:8])] = (int(r["reached"]), bool(r["final"]))
-                elif n.startswith("e") and n[1:21].isdigit():
+            for n in self._pending_names():
+                if n.endswith(suffix) and n.startswith("e") and n[1:21].isdigit():
                     markers.append((int(n[1:21]), int(n[23:28]), n))
             for epoch, w, _ in markers:
                 r, final = reached.get(w, (0, False))
@@ -227,10 +236,13 @@ class Store:
             open_ = [r for r, final in reached.values() if not final]
             epoch = min(open_) if open_ else max(r for r, _ in reached.values())
             previous = self._manifest_paths()
-            if epoch <= (previous[-1][0] if previous else 0):
+            done = previous[-1][0] if previous else -1
+            if epoch <= max(done, 0):
                 return None
+            # (markers of epochs the newest manifest covers are left over from a clean-up that
+            # failed part way: applying them again could bring back an older value)
             parts = [json.loads(self.fs.cat_file(self._path("pending", n)))
-                     for e, _, n in sorted(markers) if e <= epoch]
+                     for e, _, n in sorted(markers) if done < e <= epoch]
         except (OSError, ValueError, KeyError) as e:
             raise CheckpointError(f"cannot read the pending parts in {self._path('pending')}: {e}") from e
         return epoch, parts

@@ -99,7 +99,8 @@ class Hub:
         backlog), ``bins`` (per keyed source: per-bin records per second and state entries summed
         over workers, and each bin's owner), ``lags`` and ``counters`` (sources of kind "counters":
         ``{"prefix", "values"}``, such as Megaphone's controller); ``heard`` lists the workers heard from, ``rated``
-        those heard from twice (whose rates are known)."""
+        those heard from twice (whose rates are known). A ``bins`` entry's ``reports`` holds, per
+        worker, its newest report's time (``time.monotonic``) and its per-bin records."""
         with self._lock:
             latest, previous = dict(self._latest), dict(self._previous)
         ops: list[dict[str, Any]] = []
@@ -135,7 +136,7 @@ class Hub:
                     continue
                 nb = len(src["records"])
                 agg = bins.setdefault(name, {"records_per_s": [0.0] * nb, "records": [0] * nb, "state": [0] * nb,
-                                             "owner": [-1] * nb, "workers": {}})
+                                             "owner": [-1] * nb, "workers": {}, "reports": {}})
                 olds = (old or {}).get("sources", {}).get(name)
                 for b in range(nb):
                     agg["records"][b] += src["records"][b]
@@ -145,6 +146,7 @@ class Hub:
                 for b in src["owned"]:
                     agg["owner"][b] = w
                 agg["workers"][w] = src.get("counters", {})
+                agg["reports"][w] = (new["mono"], list(src["records"]))
         return {"operators": ops, "workers": workers, "bins": bins, "lags": lags, "counters": counters, "peers": self.peers,
                 "heard": sorted(latest), "rated": sorted(w for w in latest if w in previous)}
 
