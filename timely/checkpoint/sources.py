@@ -100,6 +100,11 @@ def sink(stream: Stream, url: str, name: str, probe: ProbeHandle | None = None, 
     a reader sees every record of an epoch once: the guarantee needs the replayed records to be
     the same (deterministic sources and operators). Returns the probe (``probe`` if given) that
     passes an epoch once every worker's files of it are written: pacing for :func:`source`.
+
+    With checkpoints the sink is a participant named ``sink/<name>`` (without state) that offers
+    checkpoint epoch ``e`` once it has written every epoch before ``e``: a checkpoint is complete
+    only when the output of the epochs it will not replay is on disk (else a crash right after it
+    would lose that output for good).
     """
     fs, root = fsspec.core.url_to_fs(url)
     folder = f"{root.rstrip('/')}/{name}"
@@ -114,6 +119,10 @@ def sink(stream: Stream, url: str, name: str, probe: ProbeHandle | None = None, 
     out, done = b.new_output()
     b.set_frontier_interest(True)
     pending: dict[Any, tuple[Capability, dict[int, list]]] = {}  # epoch -> (held capability, slot -> records)
+    ck = scope.worker.checkpoint
+    participant = None if ck is None else ck.register(f"sink/{name}")
+    # the next checkpoint epoch to offer: the first above the one resumed from
+    next_offer = [0 if ck is None else (ck.resume_epoch // ck.every + 1) * ck.every]
 
     def write(epoch: int, part: int, records: list) -> None:
         path = f"{folder}/e{epoch:012d}-s{part:05d}.pkl"
@@ -142,6 +151,14 @@ def sink(stream: Stream, url: str, name: str, probe: ProbeHandle | None = None, 
                 for part in sorted(by_slot):
                     write(t, part, by_slot[part])
                 held.drop()
+            if participant is not None and ck is not None and not participant.closed:
+                # Invariant: every epoch before the frontier is written (above), so each checkpoint
+                # epoch the frontier has reached may be offered.
+                if frontier.is_empty():
+                    participant.close()
+                while not participant.closed and not frontier.less_than(next_offer[0]):
+                    participant.offer(next_offer[0], {})
+                    next_offer[0] += ck.every
 
         return run
 
