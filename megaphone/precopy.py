@@ -297,9 +297,10 @@ class PreCopier:
         a copy or replica of it on another worker is dropped there, and the new one begins."""
         shared = self.shared
         bin_ = shared.bins[b]
-        reason = None
         other = self.copies.get(b)
-        if target == shared.index or shared.routing_table()[b] != shared.index:
+        ours = target != shared.index and shared.routing_table()[b] == shared.index
+        reason = None
+        if not ours:
             reason = "not held here"
         elif bin_ is None:
             reason = "not arrived yet (its move here is under way)"
@@ -309,22 +310,23 @@ class PreCopier:
                 other.replica = True
                 self.replicas += 1
                 reason += " (kept as a replica)"
-        elif not isinstance(bin_.state, BinState):  # (a TrackedState is one: the bin's copy elsewhere tracks it)
-            reason = "state is not a dict of rows"
-        elif len(bin_.state) < self.min_entries:
-            reason = f"small ({len(bin_.state)} entries)"
-        if other is not None and other.target != target and (reason is None or reason.startswith(("small", "state"))):
-            # The copy elsewhere gives way, its target drops it: also when the new one is not made
-            # (a small bin, not rows), as the request moved the bin's copy away from there.
-            self._end(other)
-            self._end_round_without_replicas()
-            out.give_batch(cap, [self._drop_record(other)])
-            shared.events.append({"kind": "replica" if other.replica else "precopy", "time": cap.time, "bins": [b],
-                                  "to": [other.target], "dropped": "a copy to another worker was requested",
-                                  "worker": shared.index})
+        else:
+            if other is not None:
+                # The request moves the bin's copy to `target`: the one elsewhere gives way, and its
+                # target drops it (also when no new copy is made below: a small bin, not rows).
+                self._end(other)
+                self._end_round_without_replicas()
+                out.give_batch(cap, [self._drop_record(other)])
+                shared.events.append({"kind": "replica" if other.replica else "precopy", "time": cap.time,
+                                      "bins": [b], "to": [other.target],
+                                      "dropped": "a copy to another worker was requested", "worker": shared.index})
+            if not isinstance(bin_.state, BinState):  # (a TrackedState is one: the bin's copy elsewhere tracks it)
+                reason = "state is not a dict of rows"
+            elif len(bin_.state) < self.min_entries:
+                reason = f"small ({len(bin_.state)} entries)"
         if reason is not None:
             cap.drop()
-            if (bin_ is not None or reason.startswith("not arrived")) and target != shared.index:
+            if target != shared.index and (bin_ is not None or ours):
                 shared.events.append({"kind": "precopy", "time": cap.time, "bins": [b], "to": [target],
                                       "skipped": reason, "worker": shared.index, "replica": replica})
             return

@@ -121,8 +121,7 @@ def sink(stream: Stream, url: str, name: str, probe: ProbeHandle | None = None, 
     pending: dict[Any, tuple[Capability, dict[int, list]]] = {}  # epoch -> (held capability, slot -> records)
     ck = scope.worker.checkpoint
     participant = None if ck is None else ck.register(f"sink/{name}")
-    # the next checkpoint epoch to offer: the first above the one resumed from
-    next_offer = [0 if ck is None else (ck.resume_epoch // ck.every + 1) * ck.every]
+    next_offer = 0 if ck is None else (ck.resume_epoch // ck.every + 1) * ck.every  # the first above the resumed one
 
     def write(epoch: int, part: int, records: list) -> None:
         path = f"{folder}/e{epoch:012d}-s{part:05d}.pkl"
@@ -139,6 +138,7 @@ def sink(stream: Stream, url: str, name: str, probe: ProbeHandle | None = None, 
         caps[0].drop()
 
         def run() -> None:
+            nonlocal next_offer
             for cap, batch in inp:
                 if cap.time not in pending:
                     pending[cap.time] = (cap.retain(), {})  # holds the epoch open until it is written
@@ -156,9 +156,9 @@ def sink(stream: Stream, url: str, name: str, probe: ProbeHandle | None = None, 
                 # epoch the frontier has reached may be offered.
                 if frontier.is_empty():
                     participant.close()
-                while not participant.closed and not frontier.less_than(next_offer[0]):
-                    participant.offer(next_offer[0], {})
-                    next_offer[0] += ck.every
+                while not participant.closed and not frontier.less_than(next_offer):
+                    participant.offer(next_offer, {})
+                    next_offer += ck.every
 
         return run
 

@@ -97,6 +97,17 @@ def pact_of(exchange: Key | Pact | bool) -> Pact:
     return Exchange(exchange)
 
 
+def halved(encode: Callable[[list], Any], items: list, max_body: float) -> list[tuple[int, Any]]:
+    """``items`` encoded as ``(count, body)`` pieces in order, each at most ``max_body`` bytes
+    where it can be: the whole list, else its halves, recursively (a single item too large stays a
+    piece of its own; the caller decides what that means)."""
+    body = encode(items)
+    if len(body) <= max_body or len(items) == 1:
+        return [(len(items), body)]
+    half = len(items) // 2
+    return halved(encode, items[:half], max_body) + halved(encode, items[half:], max_body)
+
+
 class Channel:
     """The sending end of one edge on one worker."""
 
@@ -158,21 +169,20 @@ class _RemoteChannel(Channel):
     def _encoded(self, time: Any, part: list) -> list[tuple[int, Any]]:
         """``part`` as ``(records, body)`` pieces, each small enough for one message."""
         try:
-            body = self._encode(part)
+            pieces = halved(self._encode, part, self._max_body)
         except (TypeError, ValueError, OverflowError) as e:
             bad = next((r for r in part if not routing.serialisable(r)), None)
             raise TypeError(
                 f"operator '{self.op_name}': record {bad!r:.200} at time {time!r} cannot be sent to "
                 f"another worker: records must be msgpack-serialisable ({e})"
             ) from e
-        if len(body) <= self._max_body:
-            return [(len(part), body)]
-        if len(part) == 1:
-            raise ValueError(
-                f"operator '{self.op_name}': record {part[0]!r:.200} at time {time!r} is {len(body):,} bytes "
-                f"encoded, more than one message may carry (max_message_bytes)")
-        half = len(part) // 2
-        return self._encoded(time, part[:half]) + self._encoded(time, part[half:])
+        for i, (count, body) in enumerate(pieces):
+            if len(body) > self._max_body:  # (one record: halving cannot help)
+                record = part[sum(c for c, _ in pieces[:i])]
+                raise ValueError(
+                    f"operator '{self.op_name}': record {record!r:.200} at time {time!r} is {len(body):,} bytes "
+                    f"encoded, more than one message may carry (max_message_bytes)")
+        return pieces
 
     def _send(self, worker: int, time: Any, pieces: list[tuple[int, Any]]) -> None:
         """Gather encoded ``pieces`` of records at ``time`` for ``worker`` (not this one)."""

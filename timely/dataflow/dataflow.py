@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import BuildError, ProgressMismatchError, ProgressOrderError
 from ..progress.reachability import Builder, Location, Source, Target, Tracker
 from ..progress.timestamp import minimum
-from .channels import SLACK, Pact
+from .channels import SLACK, Pact, halved
 from .context import Context
 from .fuzz import Fuzzer
 from .operator import InputPort, OperatorCore
@@ -39,18 +39,6 @@ def check_progress_mode(progress: str) -> str:
     if progress not in PROGRESS_MODES:
         raise ValueError(f"progress must be one of {', '.join(map(repr, PROGRESS_MODES))}, not {progress!r}")
     return progress
-
-
-def _forwarded(pusher: Any, batches: list) -> list[tuple[int, Any]]:
-    """The relay's ``batches`` as ``(count, body)`` pieces, each within one message of
-    ``pusher`` (halved until it fits; every batch stays whole, so a receiver applies whole batches
-    in their senders' order whatever the number of messages)."""
-    body = pusher.encode_items(batches)
-    limit = pusher.max_bytes
-    if limit is None or len(batches) == 1 or len(body) <= max(1, limit - SLACK):
-        return [(len(batches), body)]
-    half = len(batches) // 2
-    return _forwarded(pusher, batches[:half]) + _forwarded(pusher, batches[half:])
 
 
 class Dataflow:
@@ -281,8 +269,10 @@ class Dataflow:
         pieces = None
         for worker, pusher in enumerate(self._progress_pushers):
             if worker != self.index:
-                if pieces is None:
-                    pieces = _forwarded(pusher, batches)
+                if pieces is None:  # within one message each; every batch stays whole, in order
+                    limit = pusher.max_bytes
+                    pieces = halved(pusher.encode_items, batches,
+                                    float("inf") if limit is None else max(1, limit - SLACK))
                 for count, body in pieces:
                     pusher.push_items(None, [body], count)
 
