@@ -29,7 +29,9 @@ from timely.columnar import (
     BatchStream,
     ColumnDistribute,
     bins_of_hashes,
+    grouped,
     hash_columns,
+    same_columns,
     schema_difference,
 )
 
@@ -107,7 +109,7 @@ class RunningAggregates(StateCodec):
         if self.schema is None:
             self.schema = batch.schema
             self._check_schema(batch.schema, MegaphoneError)
-        elif batch.schema is not self.schema and not batch.schema.equals(self.schema):
+        elif batch.schema is not self.schema and not same_columns(batch.schema, self.schema):
             raise MegaphoneError(f"'{self.name}': batch schema does not match the stream's: "
                                  f"{schema_difference(self.schema, batch.schema)}")
 
@@ -189,11 +191,14 @@ class RunningAggregates(StateCodec):
         ones = new.append_column(_NEW, pa.array(np.ones(new.num_rows, np.int8)))
         table = pa.Table.from_batches([*zeros, ones])
         aggs = [(c, _MERGE[c.rsplit("_", 1)[1]]) for c in self.state_columns] + [(_NEW, "max")]
-        grouped = table.group_by(self.key, use_threads=False).aggregate(aggs)
-        # pyarrow names the result of (column, function) f"{column}_{function}".
-        grouped = grouped.select([self.key, *(f"{c}_{fn}" for c, fn in aggs)])
-        grouped = grouped.rename_columns([self.key, *self.state_columns, _NEW])
-        combined = grouped.combine_chunks().to_batches()
+        try:
+            counts = [f"{c}_count" for c, states in self.states.items() if "count" in states]
+            names = {f"{c}_sum": c for c in self.states}
+            merged = grouped(table, [self.key], aggs, counts, names)  # (an integer sum leaving its type raises)
+        except OverflowError as e:
+            raise MegaphoneError(f"'{self.name}': {e}") from None
+        merged = merged.rename_columns([self.key, *self.state_columns, _NEW])
+        combined = merged.combine_chunks().to_batches()
         assert self.state_schema is not None
         schema = self.state_schema.append(pa.field(_NEW, pa.int8()))
         return pa.RecordBatch.from_arrays(combined[0].columns, schema=schema) if combined else schema.empty_table()
@@ -204,7 +209,7 @@ class RunningAggregates(StateCodec):
         columns = [state.column(self.key)]
         for column, fn in self.outputs:
             if fn == "mean":
-                total = state.column(f"{column}_sum").cast(pa.float64())
+                total = pc.cast(state.column(f"{column}_sum"), pa.float64(), safe=False)  # (beyond 2**53: rounded)
                 columns.append(pc.divide(total, state.column(f"{column}_count").cast(pa.float64())))
             else:
                 columns.append(state.column(f"{column}_{fn}"))

@@ -245,3 +245,101 @@ def test_input_refuses_a_bad_batch_and_keeps_what_it_accepted() -> None:
         assert "'Bids'" in errors[2]
     # every worker's accepted batches (good, then the mapping) are counted: k=1,2 twice, k=3 twice
     assert sorted(r for _, out in results for r in out) == [(1, 2.0), (2, 4.0), (3, 6.0)]
+
+
+# -- integer sums never wrap; odd values and keys (found by review) --------------------------------
+def _sums(schema: pa.Schema, batches: list[pa.RecordBatch], workers: int = 1, fns=("sum", "mean")) -> list:
+    return run_epochs(lambda s: columnar.from_batches(s, schema).aggregate_by("k", {"v": list(fns)}).to_rows(),
+                      [batches], workers, timeout=60)
+
+
+def test_an_int64_sum_that_leaves_int64_fails_naming_the_column_and_key() -> None:
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    batch = pa.record_batch([[1, 1, 2], [2**63 - 1, 1, 5]], schema=schema)  # Arrow's sum wraps to -2**63
+    with pytest.raises(timely.WorkerOperatorError, match=r"OverflowError.*column 'v' leaves int64 \(key \{'k': 1\}"):
+        _sums(schema, [batch], workers=2)
+    # ... also when the partial sums are in range and only their merge (another batch) leaves it
+    agg = columnar.Aggregation("k", {"v": "sum"}, schema)
+    agg.update(pa.record_batch([[1], [2**62]], schema=schema))
+    agg.finish()
+    for _ in range(3):
+        agg.update(pa.record_batch([[1], [2**62]], schema=schema))
+    with pytest.raises(OverflowError, match="column 'v'"):
+        agg.finish()
+    # negative, and back in range: exact
+    agg = columnar.Aggregation("k", {"v": "sum"}, schema)
+    agg.update(pa.record_batch([[1, 1, 1], [-(2**63), 2**62, -(2**62) - 1]], schema=schema))
+    with pytest.raises(OverflowError):
+        agg.finish()
+    agg = columnar.Aggregation("k", {"v": "sum"}, schema)
+    agg.update(pa.record_batch([[1, 1, 1], [2**63 - 1, -(2**63), 7]], schema=schema))
+    assert agg.finish().to_pylist() == [{"k": 1, "v_sum": 6}]
+
+
+def test_uint64_sums_are_uint64_and_means_of_large_integers_are_floats() -> None:
+    schema = pa.schema([("k", pa.int64()), ("v", pa.uint64())])
+    batch = pa.record_batch([pa.array([1, 1, 2]), pa.array([2**63, 5, 2**64 - 1], pa.uint64())], schema=schema)
+    assert resort(_sums(schema, [batch])) == [(0, [(1, 2**63 + 5, (2**63 + 5) / 2), (2, 2**64 - 1, float(2**64 - 1))])]
+    with pytest.raises(timely.OperatorError, match=r"column 'v' leaves uint64"):
+        _sums(schema, [batch, batch], fns=("sum",))
+    # a mean whose integer sum passes 2**53 (6,000 millisecond timestamps): a float, not an error
+    ints = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    stamps = pa.record_batch([[0] * 6000, [1_700_000_000_000] * 6000], schema=ints)
+    assert _sums(ints, [stamps], fns=("mean",)) == [(0, [(0, 1_700_000_000_000.0)])]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_float_keys_minus_zero_and_zero_are_one_key_as_in_rows(workers: int) -> None:
+    schema = pa.schema([("k", pa.float64()), ("v", pa.int64())])
+    batch = pa.record_batch([[-0.0, 0.0, 0.0, 1.5], [1, 2, 3, 4]], schema=schema)
+    got = run_epochs(lambda s: columnar.from_batches(s, schema).aggregate_by("k", {"v": "count"}).to_rows(),
+                     [[batch]], workers, timeout=60)
+    rows = run_epochs(lambda s: s.flat_map(lambda b: b.to_pylist()).map(lambda r: (r["k"], r["v"]))
+                      .count_by_key(0), [[batch]], workers, timeout=60)
+    assert resort(got) == [(0, [(0.0, 3), (1.5, 1)])] == resort(rows)
+
+
+@pytest.mark.parametrize("column_type", [pa.float16(), pa.duration("s"), pa.month_day_nano_interval()])
+def test_min_max_of_a_type_arrow_cannot_order_fails_at_build(column_type: pa.DataType) -> None:
+    schema = pa.schema([("k", pa.int64()), ("v", column_type)])
+    with pytest.raises(timely.BuildError, match=r"'Agg'.*'min' of column 'v': pyarrow has no grouped min/max"):
+        run_epochs(lambda s: columnar.from_batches(s, schema).aggregate_by("k", {"v": "min"}, name="Agg").to_rows(),
+                   [[]], 1)
+
+
+def test_batches_of_two_schemas_at_one_time_cross_workers_intact() -> None:
+    """A stream without a declared schema may carry batches of several; parts of different schemas
+    never share a message (its receiver would read them all with the first one's)."""
+    ints = pa.record_batch([[1, 3, 4], [1, 2, 3]], names=["k", "v"])
+    floats = pa.record_batch([[1, 3, 4], [1.5, 2.5, 3.5]], names=["k", "v"])
+    got = run_epochs(lambda s: columnar.from_batches(s).exchange_by("k").stream
+                     .flat_map(lambda b: [(str(b.schema.field("v").type), r["k"], r["v"]) for r in b.to_pylist()]),
+                     [[ints, ints.slice(0, 0), floats]], 2, timeout=60)  # (records dealt in turn: both to worker 0)
+    assert resort(got) == [(0, sorted([("int64", 1, 1), ("int64", 3, 2), ("int64", 4, 3),
+                                       ("double", 1, 1.5), ("double", 3, 2.5), ("double", 4, 3.5)], key=repr))]
+
+
+def test_send_of_a_mapping_names_the_input_and_column() -> None:
+    schema = pa.schema([("a", pa.int64()), ("b", pa.string())])
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = columnar.new_input(scope, schema, name="In")
+        errors = []
+        for columns in ({"a": [1], "b": ["x"], "c": [9]}, {"a": [1, 2], "b": ["x"]}, {"a": [1]},
+                        {"a": 1, "b": "x"}, {"a": ["q"], "b": ["x"]}):
+            try:
+                inp.send(columns)
+            except ValueError as e:
+                errors.append(str(e))
+        inp.send({"a": [7], "b": ["y"]})
+        inp.close()
+        return errors
+
+    (errors,) = timely.execute(main, workers=1, timeout=60)
+    assert [e.split(":", 1)[0] for e in errors] == ["input 'In'"] * 5
+    assert "column 'c' is not in the schema" in errors[0]
+    assert "column 'b' has 1 values, column 'a' 2" in errors[1]
+    assert "column 'b' of the schema is missing" in errors[2]
+    assert "column 'a' is not a sequence" in errors[3]
+    assert "do not fit the schema" in errors[4]

@@ -228,3 +228,38 @@ def test_batch_of_another_schema_fails_naming_the_column():
 
     with pytest.raises(timely.WorkerOperatorError, match=r"MegaphoneError: 'Totals'.*'v' is string"):
         timely.execute(main, workers=1, timeout=60)
+
+
+def test_batches_differing_only_in_nullability_are_accepted_and_running_sums_never_wrap():
+    """Spark marks columns ``not null`` that a declared schema leaves nullable: Megaphone accepts
+    them as the other columnar operators do. A running integer sum that would leave int64 fails
+    naming the operator, the column and the key (Arrow's sums wrap around)."""
+    declared = pa.schema([("key", pa.int64()), ("v", pa.int64())])
+    strict = pa.schema([pa.field("key", pa.int64(), nullable=False), pa.field("v", pa.int64(), nullable=False)])
+
+    def job(values):
+        return lambda worker: main(worker, values)
+
+    def main(worker, values):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            control = megaphone.ControlInput(scope, k=2)
+            m = megaphone.aggregate(columnar.BatchStream(inp.stream, declared), control, "key", {"v": "sum"},
+                                    name="Totals")
+            out = []
+            m.batches.to_rows().inspect(out.append)
+        for v in values:
+            if worker.index == 0:
+                inp.send(pa.RecordBatch.from_pydict({"key": [1], "v": [v]}, schema=strict))
+            inp.advance_to(inp.time + 1)
+            control.advance_to(inp.time)
+        inp.close()
+        control.close()
+        worker.step_while(lambda: not m.probe.done())
+        return out
+
+    got = [r for rows in timely.execute(job([2**62, 2**62 - 1]), workers=2, timeout=60) for r in rows]
+    assert sorted(got) == [(1, 2**62), (1, 2**63 - 1)]
+    overflow = r"MegaphoneError: 'Totals'.*column 'v' leaves int64 \(key \{'key': 1\}"
+    with pytest.raises(timely.WorkerOperatorError, match=overflow):
+        timely.execute(job([2**62, 2**62]), workers=2, timeout=60)

@@ -23,11 +23,21 @@ import pyarrow as pa
 from ..comm.framing import register_extension
 from . import codec
 from .channels import ColumnDistribute, ColumnExchange
-from .kernels import Aggregation, bins_of_hashes, hash_columns, worker_parts
-from .stream import BatchInput, BatchStream, from_batches, from_rows, new_input, rows_of, schema_difference
+from .kernels import Aggregation, bins_of_hashes, grouped, hash_columns, worker_parts
+from .stream import (
+    BatchInput,
+    BatchStream,
+    from_batches,
+    from_rows,
+    new_input,
+    rows_of,
+    same_columns,
+    schema_difference,
+)
 
 __all__ = ["Aggregation", "BatchInput", "BatchStream", "ColumnDistribute", "ColumnExchange", "bins_of_hashes",
-           "from_batches", "from_rows", "hash_columns", "new_input", "rows_of", "schema_difference", "worker_parts"]
+           "from_batches", "from_rows", "grouped", "hash_columns", "new_input", "rows_of", "same_columns",
+           "schema_difference", "worker_parts"]
 
 #: The msgpack extension code of a RecordBatch inside an ordinary record.
 RECORD_BATCH_EXT = 1

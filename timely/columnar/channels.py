@@ -184,7 +184,10 @@ class ColumnChannel(Channel):
     def _add(self, worker: int, time: Any, batch: pa.RecordBatch) -> None:
         size = batch.nbytes
         parts = self._parts[worker]
-        if parts is not None and (self._times[worker] != time or self._bytes[worker] + size > self._max_body):
+        # One message holds parts of one time and one schema: its receiver decodes every part with
+        # the first part's schema (a stream that declared none may carry batches of several).
+        if parts is not None and (self._times[worker] != time or self._bytes[worker] + size > self._max_body
+                                  or not parts[0].schema.equals(batch.schema)):
             self._ship(worker)
             parts = None
         if parts is None:

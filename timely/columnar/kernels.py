@@ -7,6 +7,7 @@ Megaphone bin (the top k bits) whether it travels in a row or in a RecordBatch.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
@@ -181,10 +182,63 @@ def _value_type(t: pa.DataType) -> pa.DataType:
     return t.value_type if pa.types.is_dictionary(t) else t
 
 
+@functools.cache
 def _orderable(t: pa.DataType) -> bool:
-    return (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
-            or pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
-            or pa.types.is_large_binary(t) or pa.types.is_temporal(t) or pa.types.is_decimal(t))
+    """True when pyarrow has a grouped min/max for type ``t`` (asked of pyarrow itself, on an empty
+    table: it has none for float16, durations and intervals, for one)."""
+    probe = pa.table({"k": pa.array([], pa.int8()), "v": pa.array([], t)})
+    try:
+        probe.group_by("k", use_threads=False).aggregate([("v", "min")])
+    except (pa.ArrowNotImplementedError, pa.ArrowTypeError, pa.ArrowInvalid):
+        return False
+    return True
+
+
+def _sum_type(t: pa.DataType) -> pa.DataType:
+    """The type of a sum of a column of type ``t``: uint64 for uint64, int64 for other integers,
+    float64 for floating point."""
+    if pa.types.is_uint64(t):
+        return pa.uint64()
+    return pa.int64() if pa.types.is_integer(t) else pa.float64()
+
+
+def _without_negative_zero(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A floating key column with -0.0 made 0.0 (``x + 0.0``; NaN stays NaN): ``hash64`` and the
+    row operators take them as one key, and so must a group-by."""
+    if pa.types.is_floating(col.type):
+        return pc.add(col, pa.scalar(0.0, col.type))
+    return col
+
+
+def grouped(table: pa.Table, keys: list[str], aggs: list[tuple[str, str]],
+            unchecked: Sequence[str] = (), names: Mapping[str, str] | None = None) -> pa.Table:
+    """``table.group_by(keys).aggregate(aggs)`` (columns ``keys`` then ``f"{column}_{function}"``),
+    except that an integer ``sum`` which leaves its type raises ``OverflowError`` naming the column
+    and the key instead of wrapping around, as Arrow's grouped sum does (but for the ``unchecked``
+    columns: sums of counts, say). Each checked sum is also taken in float64: the wrapped sum
+    differs from the float64 one by a multiple of 2**64 exactly when it wrapped, as the float64 sum
+    is far closer than 2**63 to the true one. ``names`` gives the user's names of internal columns
+    for the message."""
+    name = (names or {}).get
+    shadows = []
+    for column, fn in aggs:
+        if fn == "sum" and column not in unchecked and pa.types.is_integer(table.schema.field(column).type):
+            shadow = f"{column}__float"
+            table = table.append_column(shadow, pc.cast(table.column(column), pa.float64(), safe=False))
+            shadows.append((column, shadow))
+    result = table.group_by(keys, use_threads=False).aggregate(aggs + [(s, "sum") for _, s in shadows])
+    for column, shadow in shadows:
+        wrapped = result.column(f"{column}_sum").to_numpy(zero_copy_only=False)
+        approx = result.column(f"{shadow}_sum").to_numpy(zero_copy_only=False)
+        valid = ~np.isnan(approx)  # (a group of nulls only sums to null)
+        wraps = np.rint((approx[valid] - wrapped[valid].astype(np.float64)) / 2.0 ** 64)
+        if wraps.any():
+            i = int(np.flatnonzero(valid)[np.flatnonzero(wraps)[0]])
+            key = {name(k, k): result.column(k)[i].as_py() for k in keys}
+            raise OverflowError(
+                f"the sum of column {name(column, column)!r} leaves {table.schema.field(column).type} (key {key}: about "
+                f"{approx[i]:.6g}); cast the column to float64 before aggregating")
+    return result.select(keys + [f"{c}_{fn}" for c, fn in aggs])
 
 
 def _empty(schema: pa.Schema) -> pa.RecordBatch:
@@ -197,9 +251,12 @@ class Aggregation:
     ``Aggregation(keys, {column: function or [functions]}, schema)`` validates against the input
     ``schema`` at construction (ValueError naming the column and function). Output (``.schema``):
     the key columns (dictionary keys decoded), then per (column, function), in the order given, a
-    column ``f"{column}_{function}"``: count int64 (non-null values), sum int64 for integer and
-    float64 for floating columns, mean float64 (merged sum / merged count, exact), min/max of the
-    column's type. Null keys form their own group; sum/min/max/mean of only nulls is null.
+    column ``f"{column}_{function}"``: count int64 (non-null values), sum int64 for integer (uint64
+    for uint64) and float64 for floating columns (an integer sum that leaves its type raises
+    ``OverflowError`` naming the column and the key, never wraps around), mean float64 (the merged
+    integer sum, exact until then, over the merged count), min/max of the column's type. Null keys
+    form their own group; a floating key's -0.0 and 0.0 are one key (0.0), as in ``hash64`` and the
+    row operators; sum/min/max/mean of only nulls is null.
 
     Memory is bounded by the distinct keys: raw rows are buffered up to ``BUFFER_ROWS`` and then
     reduced to one partial row per key; at most ``MAX_PARTIALS`` partial tables are kept.
@@ -245,7 +302,7 @@ class Aggregation:
         if fn in ("sum", "mean") and not numeric:
             raise ValueError(f"aggregation {fn!r} of column {column!r}: needs a numeric column, not {t}")
         if fn in ("min", "max") and not _orderable(t):
-            raise ValueError(f"aggregation {fn!r} of column {column!r}: type {t} has no order")
+            raise ValueError(f"aggregation {fn!r} of column {column!r}: pyarrow has no grouped min/max for type {t}")
         return str(fn)
 
     def _output_type(self, column: str, fn: str) -> pa.DataType:
@@ -255,7 +312,7 @@ class Aggregation:
         if fn == "mean":
             return pa.float64()
         if fn == "sum":
-            return pa.int64() if pa.types.is_integer(t) else pa.float64()
+            return _sum_type(t)
         return t
 
     def update(self, batch: pa.RecordBatch) -> None:
@@ -280,7 +337,7 @@ class Aggregation:
             self._pending, self._pending_rows = [], 0
             cols, names = [], []
             for i, k in enumerate(self._keys):
-                cols.append(self._decoded(raw.column(k)))
+                cols.append(_without_negative_zero(self._decoded(raw.column(k))))
                 names.append(f"k{i}")
             for j, c in enumerate(self._values):
                 cols.append(self._decoded(raw.column(c)))
@@ -289,9 +346,8 @@ class Aggregation:
             aggs = []
             for j, state in self._states:
                 t = table.schema.field(f"v{j}").type
-                if state == "sum":  # sum in the output's type: int64 (exact) or float64
-                    wide = pa.int64() if pa.types.is_integer(t) else pa.float64()
-                    table = table.append_column(f"v{j}_wide", table.column(f"v{j}").cast(wide))
+                if state == "sum":  # sum in the output's type: int64 or uint64 (exact) or float64
+                    table = table.append_column(f"v{j}_wide", table.column(f"v{j}").cast(_sum_type(t)))
                     aggs.append((f"v{j}_wide", "sum"))
                 else:
                     aggs.append((f"v{j}", state))
@@ -310,10 +366,10 @@ class Aggregation:
         """``table`` grouped by k0.. with ``aggs`` (one per partial state, in order), as a partial
         table: columns k0.., then the state columns."""
         keys = self._key_names()
-        grouped = table.group_by(keys, use_threads=False).aggregate(aggs)
-        # pyarrow names the output of (column, function) f"{column}_{function}".
-        return grouped.select(keys + [f"{c}_{fn}" for c, fn in aggs]).rename_columns(
-            keys + self._state_names())
+        counts = [f"v{j}_count" for j, state in self._states if state == "count"]  # (merged by sum)
+        names = {f"k{i}": k for i, k in enumerate(self._keys)}
+        names.update({f"v{j}{suffix}": c for j, c in enumerate(self._values) for suffix in ("_wide", "_sum")})
+        return grouped(table, keys, aggs, counts, names).rename_columns(keys + self._state_names())
 
     @staticmethod
     def _decoded(col: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -338,7 +394,7 @@ class Aggregation:
         for column, fn in self._outputs:
             j = self._values.index(column)
             if fn == "mean":
-                total = part.column(f"v{j}_sum").cast(pa.float64())
+                total = pc.cast(part.column(f"v{j}_sum"), pa.float64(), safe=False)  # (beyond 2**53: rounded)
                 cols.append(pc.divide(total, part.column(f"v{j}_count").cast(pa.float64())))
             else:
                 cols.append(part.column(f"v{j}_{fn}"))

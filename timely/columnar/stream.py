@@ -40,7 +40,7 @@ def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
     return f"columns are in the order {got.names}, expected {expected.names}"
 
 
-def _same_columns(a: pa.Schema, b: pa.Schema) -> bool:
+def same_columns(a: pa.Schema, b: pa.Schema) -> bool:
     """Same column names and types, in order (nullability and metadata aside: Spark, for one,
     marks columns ``not null`` that a declared schema leaves nullable)."""
     return a.names == b.names and all(x.type.equals(y.type) for x, y in zip(a, b))
@@ -53,7 +53,7 @@ def _checker(name: str, schema: pa.Schema | None) -> Callable[[pa.RecordBatch], 
         if type(batch) is not pa.RecordBatch:
             raise TypeError(f"operator '{name}': records of a columnar stream are pyarrow.RecordBatch, "
                             f"got {type(batch).__name__}: {batch!r:.200}")
-        if schema is not None and batch.schema is not schema and not _same_columns(batch.schema, schema):
+        if schema is not None and batch.schema is not schema and not same_columns(batch.schema, schema):
             raise ValueError(f"operator '{name}': batch schema does not match the stream's: "
                              f"{schema_difference(schema, batch.schema)}")
 
@@ -301,14 +301,36 @@ class BatchInput:
         """Send a batch (a ``Table`` is sent as its batches; a mapping of columns is converted with
         the input's schema) at the current epoch."""
         if isinstance(batch, Mapping):
-            try:
-                batch = pa.RecordBatch.from_pydict(dict(batch), schema=self.schema)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, KeyError) as e:
-                raise ValueError(f"input '{self._handle.name}': columns do not fit the schema: {e}") from None
+            batch = self._from_columns(batch)
         batches = batch.to_batches() if isinstance(batch, pa.Table) else [batch]
         for b in batches:
             self._check(b)  # all checked before any is sent
         self._handle.send_batch(batches)
+
+    def _from_columns(self, columns: Mapping[str, Any]) -> pa.RecordBatch:
+        """A mapping of columns as a batch of the schema; ValueError naming the input and the
+        column (unknown, missing, of another length, or of values that do not convert)."""
+        name = self._handle.name
+        unknown = [c for c in columns if c not in self.schema.names]
+        if unknown:
+            raise ValueError(f"input '{name}': column {unknown[0]!r} is not in the schema {self.schema.names}")
+        missing = [c for c in self.schema.names if c not in columns]
+        if missing:
+            raise ValueError(f"input '{name}': column {missing[0]!r} of the schema is missing")
+        lengths = {}
+        for c, values in columns.items():
+            try:
+                lengths[c] = len(values)
+            except TypeError:
+                raise ValueError(f"input '{name}': column {c!r} is not a sequence of values: {values!r:.100}") from None
+        first = self.schema.names[0]
+        for c, n in lengths.items():
+            if n != lengths[first]:
+                raise ValueError(f"input '{name}': column {c!r} has {n} values, column {first!r} {lengths[first]}")
+        try:
+            return pa.RecordBatch.from_pydict(dict(columns), schema=self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, KeyError, ValueError) as e:
+            raise ValueError(f"input '{name}': columns do not fit the schema: {e}") from None
 
     def advance_to(self, time: Any) -> None:
         """Promise that no more batches will be sent at times before ``time``."""
