@@ -354,3 +354,25 @@ def test_a_checkpoint_is_complete_only_once_the_sink_wrote_the_epochs_before_it(
     assert seen and all(not missing for _, missing in seen), seen
     assert {e: sorted(r) for e, r in checkpoint.read_sink(out, "numbers").items()} == {
         e: sorted(list(range(8 * e, 8 * e + 8)) * 2) for e in range(40)}
+
+
+def test_a_checkpoint_error_inside_an_operator_is_not_retried():
+    """A full disk under the exactly-once sink fails its operator with a CheckpointError: the
+    worker's failure is an OperatorError, and a restart would fail again."""
+    from timely.cluster import Outcome
+    from timely.recovery import retryable
+
+    class DiskFull(CheckpointError):
+        pass
+
+    def failed(summary: str, cause: BaseException | None) -> Outcome:
+        return Outcome(0, status="error", summary=summary, cause=cause)
+
+    sink_full = DiskFull("sink 'out': cannot write: No space left on device")
+    assert not retryable(failed("OperatorError: worker 0: operator 'Sink' failed: DiskFull(...)", sink_full))
+    wrapped = RuntimeError("write failed")
+    wrapped.__cause__ = sink_full
+    assert not retryable(failed("OperatorError: worker 0: operator 'Sink' failed: RuntimeError(...)", wrapped))
+    assert not retryable(failed("timely.checkpoint.store.CheckpointError: corrupt manifest", None))
+    assert retryable(failed("OperatorError: worker 0: operator 'Map' failed: ValueError(...)", ValueError("x")))
+    assert retryable(Outcome(0, status="killed", signal=9))

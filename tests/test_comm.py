@@ -541,3 +541,15 @@ def test_corked_pushes_arrive_in_order_as_one_message_per_peer(no_leftovers, end
     # Per channel, the order is the push order (channels are read in turn, so only per channel).
     for c in range(3):
         assert [m for ch, m in got if ch == c] == [tuple(m) for ch, m in sent if ch == c]
+
+
+def test_hostfile_ipv6_lines_need_brackets_and_ports_must_fit():
+    assert parse_hostfile("[::1]\n[fe80::2]:4000\n", 2101) == [("::1", 2101), ("fe80::2", 4000)]
+    assert hostfile_endpoints([("::1", 2101)], 2) == ["tcp://[::1]:2101", "tcp://[::1]:2102"]
+    with pytest.raises(HostfileError, match=r"hosts:1: an IPv6 address needs brackets"):
+        parse_hostfile("::1\n", source="hosts")
+    with pytest.raises(HostfileError, match=r"hosts:2: expected \[address\] or \[address\]:port"):
+        parse_hostfile("node1\n[::1\n", source="hosts")
+    with pytest.raises(HostfileError, match=r"hosts:1: its 2 worker\(s\) would listen on ports 65535 to 65536"):
+        parse_hostfile("node1:65535\n", source="hosts", workers=2)
+    assert parse_hostfile("node1:65535\n") == [("node1", 65535)]

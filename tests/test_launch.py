@@ -210,6 +210,25 @@ def test_a_timeout_that_is_not_positive_is_a_usage_error(tmp_path, no_leftovers)
 
 
 @pytest.mark.timeout(60)
+def test_ports_and_timeouts_out_of_range_are_usage_errors(tmp_path, no_leftovers):
+    job = _job(tmp_path, "job.py", EXCHANGE_JOB)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1:65535\n")
+    for argv, message in [
+        (["--transport", "tcp", "--port", "70000"], "--port 70000: the 2 worker(s) of a host would listen on ports "
+                                                     "70000 to 70001, which must lie within 1-65535"),
+        (["--transport", "tcp", "--port", "0"], "--port 0:"),
+        (["--transport", "tcp", "--port", "65535"], "--port 65535:"),
+        (["--hostfile", str(hostfile)], "hosts:1: its 2 worker(s) would listen on ports 65535 to 65536"),
+        (["--startup-timeout", "0"], "--startup-timeout must be a positive number of seconds, not 0"),
+        (["--startup-timeout", "nan"], "--startup-timeout must be a positive number of seconds, not nan"),
+        (["--heartbeat-timeout", "inf"], "--heartbeat-timeout must be a positive number of seconds, not inf"),
+    ]:
+        run = _launch(no_leftovers, "-w", "2", *argv, job, "10")
+        assert run.returncode == 2 and message in run.stderr, (argv, run.stderr)
+
+
+@pytest.mark.timeout(60)
 def test_two_jobs_at_once_on_one_host(tmp_path, no_leftovers):
     job = _job(tmp_path, "job.py", EXCHANGE_JOB)
     procs = [subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job, str(n)], cwd=ROOT,
@@ -403,7 +422,7 @@ def test_a_worker_stopped_while_reporting_its_failure_exits_quietly(no_leftovers
         from timely.cluster import _child
 
         class StoppedWhileSending:
-            def send_bytes(self, data):
+            def fileno(self):  # (asked for just before the report is written)
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(5)  # the signal arrives here, as in a pipe write
             def close(self):
@@ -482,3 +501,111 @@ def test_an_operator_traceback_is_printed_once(tmp_path, no_leftovers):
     assert run.returncode == 1
     assert run.stderr.count("ZeroDivisionError: division by zero") == 1, run.stderr
     assert run.stderr.count("1 / 0") == 1 and "operator 'Divide' failed" in run.stderr
+
+
+def _half_a_report_then_stop(index: int, report) -> None:
+    """Worker 1 writes half of its large result to the supervisor, then stops (as a ``kill -STOP``
+    landing at that moment would)."""
+    if index == 1:
+        from timely import cluster
+
+        def half_then_stop(conn, data: bytes) -> None:
+            view = memoryview(cluster._REPORT_LENGTH.pack(len(data)) + data)[: len(data) // 2]
+            while view:
+                view = view[os.write(conn.fileno(), view):]
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        cluster._send_report = half_then_stop
+    report(bytes(4 << 20))
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_stopped_halfway_through_its_result_does_not_stop_the_supervisor(no_leftovers):
+    """The supervisor reads reports without blocking: with a worker stopped halfway through a
+    large result, its stopped-worker check (and its timeout) still run."""
+    from timely.cluster import supervise
+
+    started = time.monotonic()
+    first, second = supervise(_half_a_report_then_stop, [0, 1], timeout=30, stopped_grace=1)
+    assert first.status == "ok" and first.result == bytes(4 << 20)
+    assert second.status == "suspended" and second.result is None
+    assert time.monotonic() - started < 20
+
+
+@pytest.mark.timeout(60)
+def test_a_second_interrupt_during_the_grace_kills_and_reaps_every_worker(tmp_path, no_leftovers):
+    """Ctrl-C, then Ctrl-C again while execute waits for workers busy in C code to stop: execute
+    raises KeyboardInterrupt with every worker killed and reaped, in a process that goes on (a
+    REPL's, a notebook's)."""
+    script = textwrap.dedent(f"""
+        import hashlib, os, signal, sys, threading, time
+        import timely
+
+        def main(worker):
+            with open(os.path.join({str(tmp_path)!r}, f"pid{{worker.index}}"), "w") as f:
+                f.write(str(os.getpid()))
+            hashlib.pbkdf2_hmac("sha256", b"x", b"y", 10**9)  # minutes in C: SIGTERM waits for it
+
+        def interrupt_twice():
+            while len([n for n in os.listdir({str(tmp_path)!r}) if n.startswith("pid")]) < 2:
+                time.sleep(0.05)
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)  # within the grace (3 s)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt_twice, daemon=True).start()
+        try:
+            timely.execute(main, workers=2)
+        except KeyboardInterrupt:
+            pass
+        alive = []
+        for n in (0, 1):
+            pid = int(open(os.path.join({str(tmp_path)!r}, f"pid{{n}}")).read())
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        print("ALIVE", alive)
+        time.sleep(0.5)  # still running: the workers die with it only now
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    no_leftovers.append(proc)
+    out, err = proc.communicate(timeout=40)
+    assert "ALIVE []" in out, (out, err)
+
+
+@pytest.mark.timeout(60)
+def test_sighup_ignored_by_nohup_stays_ignored_and_a_worker_hung_up_is_reported_as_such(tmp_path, no_leftovers):
+    job = _job(tmp_path, "job.py", """
+        import os, signal, sys, time
+
+        def main(worker):
+            sys.stdout.write(f"ready {worker.index} {os.getpid()}\\n")
+            sys.stdout.flush()
+            time.sleep(3)
+            sys.stdout.write(f"RESULT {worker.index}\\n")
+            sys.stdout.flush()
+    """)
+
+    def started(ignore_hup: bool) -> tuple[subprocess.Popen, list[int]]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "timely.launch", "-w", "2", job], cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+            preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignore_hup else None)
+        no_leftovers.append(proc)
+        assert proc.stdout is not None
+        pids = [int(proc.stdout.readline().split()[2]) for _ in range(2)]
+        return proc, pids
+
+    proc, _ = started(ignore_hup=True)  # nohup python -m timely.launch ...; the terminal closes
+    proc.send_signal(signal.SIGHUP)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out.count("RESULT") == 2, err
+
+    proc, pids = started(ignore_hup=False)
+    os.kill(pids[1], signal.SIGHUP)  # one worker alone is hung up
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "killed by signal SIGHUP" in err, err

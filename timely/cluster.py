@@ -35,6 +35,7 @@ import secrets
 import select
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import time
@@ -184,8 +185,13 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
     # worker. Output into a closed pipe (`job | head`) still ends the worker as it ends a Unix tool:
     # _end_if_output_closed turns that BrokenPipeError into death by SIGPIPE.
 
+    if callable(signal.getsignal(signal.SIGHUP)):
+        # A handler of the parent's (the launcher's: stop the workers) is not ours; an ignored
+        # SIGHUP (nohup) stays ignored.
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
     def report(result: Any) -> None:
-        conn.send_bytes(pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
+        _send_report(conn, pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
 
     code = 0
     try:
@@ -278,9 +284,68 @@ def _report_failure(conn: multiprocessing.connection.Connection, exc: BaseExcept
         text = "".join(traceback.format_exception(type(exc), exc, tb))
     operator, cause = (exc.operator, _pickled(exc.cause)) if isinstance(exc, OperatorError) else (None, None)
     try:
-        conn.send_bytes(pickle.dumps(("error", text, summary, isinstance(exc, PeerLost), operator, cause)))
+        _send_report(conn, pickle.dumps(("error", text, summary, isinstance(exc, PeerLost), operator, cause)))
     except Exception:
         pass
+
+
+#: A report's length, before its bytes, on the pipe from a worker to the supervisor.
+_REPORT_LENGTH = struct.Struct("!Q")
+
+
+def _send_report(conn: multiprocessing.connection.Connection, data: bytes) -> None:
+    """Write one report to the supervisor: its length, then its bytes (blocking until all is written)."""
+    view = memoryview(_REPORT_LENGTH.pack(len(data)) + data)
+    fd = conn.fileno()
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class _ReportPipe:
+    """The supervisor's end of one worker's report pipe, read without blocking: the supervisor
+    takes what has arrived and keeps a partial report until its end comes, so a worker stopped
+    (SIGSTOP) or stuck halfway through writing a large result never stops the supervisor, whose
+    timeout and stopped-worker checks must go on."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection, index: int) -> None:
+        self.conn = conn
+        self.index = index
+        self._buffer = bytearray()
+        os.set_blocking(conn.fileno(), False)
+
+    def fileno(self) -> int:
+        """The pipe's descriptor (for ``multiprocessing.connection.wait``)."""
+        return self.conn.fileno()
+
+    def read(self) -> tuple[list[bytes], bool]:
+        """The complete reports that arrived since the last call, and whether the pipe is closed
+        (the worker's end: what it left half written is dropped)."""
+        closed = False
+        while True:
+            try:
+                chunk = os.read(self.conn.fileno(), 1 << 20)
+            except BlockingIOError:
+                break
+            except OSError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            self._buffer += chunk
+        reports = []
+        head = _REPORT_LENGTH.size
+        while len(self._buffer) >= head:
+            (size,) = _REPORT_LENGTH.unpack_from(self._buffer)
+            if len(self._buffer) < head + size:
+                break
+            reports.append(bytes(self._buffer[head:head + size]))
+            del self._buffer[:head + size]
+        return reports, closed
+
+    def close(self) -> None:
+        """Close the supervisor's end."""
+        self.conn.close()
 
 
 def _pickled(cause: BaseException) -> tuple[bytes | None, str]:
@@ -343,7 +408,7 @@ def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequ
             proc.start()
             writer.close()
             procs[i] = proc
-            conns[reader] = i
+            conns[_ReportPipe(reader, i)] = i
         live = {procs[i].sentinel: i for i in indices}
         stop_at: float | None = None
         watch = StoppedWorkers(stopped_grace)
@@ -353,7 +418,7 @@ def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequ
                 raise TimeoutError(f"workers {sorted(live.values())} still running after {timeout} s "
                                    "(their stacks are on standard error)")
             for obj in multiprocessing.connection.wait([*conns, *live], timeout=0.2):
-                if obj in conns:
+                if isinstance(obj, _ReportPipe):
                     _read_report(obj, conns, outcomes)
                 elif obj in live:
                     i = live.pop(obj)
@@ -373,10 +438,27 @@ def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequ
         if on_failure is not None and any(o.failed for o in outcomes.values()):
             on_failure(primary_failure(list(outcomes.values())))
     finally:
-        _stop(procs, {p.sentinel: i for i, p in procs.items() if p.exitcode is None}, outcomes, conns, grace)
-        for c in list(conns):
-            c.close()
+        try:
+            _stop(procs, {p.sentinel: i for i, p in procs.items() if p.exitcode is None}, outcomes, conns, grace)
+        except KeyboardInterrupt:  # a second Ctrl-C during the grace: no more grace
+            _kill(procs)
+            raise
+        finally:
+            for c in list(conns):
+                c.close()
     return [outcomes[i] for i in indices]
+
+
+def _kill(procs: dict[int, Any]) -> None:
+    """SIGKILL every worker still alive, then reap them all."""
+    for proc in procs.values():
+        if proc.exitcode is None:
+            try:
+                proc.kill()
+            except OSError:
+                pass
+    for proc in procs.values():
+        proc.join(5.0)
 
 
 def _kill_suspended(proc: Any, out: Outcome, seconds: float) -> None:
@@ -399,19 +481,21 @@ def _require_picklable(obj: Any, what: str) -> None:
                         f"(a module-level function, or a functools.partial of one): {exc}") from exc
 
 
-def _read_report(conn: Any, conns: dict[Any, int], outcomes: dict[int, Outcome]) -> None:
-    i = conns[conn]
-    try:
-        data = conn.recv_bytes()
-    except (EOFError, OSError):
+def _read_report(conn: _ReportPipe, conns: dict[Any, int], outcomes: dict[int, Outcome]) -> None:
+    """Take the reports that arrived on ``conn`` into the worker's outcome (closed: forget it)."""
+    reports, closed = conn.read()
+    if closed:
         del conns[conn]
         conn.close()
-        return
+    for data in reports:
+        _take_report(conn.index, data, outcomes[conn.index])
+
+
+def _take_report(i: int, data: bytes, out: Outcome) -> None:
     try:
         message = pickle.loads(data)
     except Exception as exc:  # a result that cannot be unpickled here
         message = ("error", f"the result of worker {i} cannot be unpickled: {exc!r}", repr(exc), False, None, None)
-    out = outcomes[i]
     if message[0] == "ok":
         out.result = message[1]
         out.status = "reported"  # "ok" once it also exits with status 0
@@ -426,10 +510,7 @@ def _reap(proc: Any, out: Outcome, conns: dict[Any, int]) -> None:
     proc.join(1.0)
     for c, i in list(conns.items()):
         if i == out.index:
-            while c.poll(0):
-                _read_report(c, conns, {out.index: out})
-                if c not in conns:
-                    break
+            _read_report(c, conns, {out.index: out})  # (all it wrote: its end of the pipe is closed)
     code = proc.exitcode
     out.exitcode = code
     if out.status in ("error", "suspended"):

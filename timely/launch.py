@@ -30,6 +30,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
+import math
 import os
 import secrets
 import signal
@@ -226,8 +227,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError(f"--timeout must be a positive number of seconds, not {opts.timeout:g}")
         if opts.watchdog is not None and not opts.watchdog > 0:
             raise _UsageError(f"--watchdog must be a positive number of seconds, not {opts.watchdog:g}")
-        if not opts.heartbeat_timeout > 0:
-            raise _UsageError(f"--heartbeat-timeout must be a positive number of seconds, not {opts.heartbeat_timeout:g}")
+        for option, seconds in (("--heartbeat-timeout", opts.heartbeat_timeout),
+                                ("--startup-timeout", opts.startup_timeout)):
+            if not 0 < seconds < math.inf:
+                raise _UsageError(f"{option} must be a positive number of seconds, not {seconds:g}")
+        if (opts.hostfile or opts.transport == "tcp") and not 0 < opts.port <= 65536 - opts.workers:
+            raise _UsageError(f"--port {opts.port}: the {opts.workers} worker(s) of a host would listen on ports "
+                              f"{opts.port} to {opts.port + opts.workers - 1}, which must lie within 1-65535")
         if not opts.stopped_grace > 0:
             raise _UsageError(f"--stopped-grace must be a positive number of seconds, not {opts.stopped_grace:g}")
         if opts.checkpoint_every < 1:
@@ -316,7 +322,7 @@ def _addresses(opts: argparse.Namespace, cleanup: contextlib.ExitStack) -> tuple
         raise _UsageError("--transport ipc works on one host only; a hostfile needs tcp")
     try:
         with open(opts.hostfile) as f:
-            hosts = parse_hostfile(f.read(), opts.port, opts.hostfile)
+            hosts = parse_hostfile(f.read(), opts.port, opts.hostfile, opts.workers)
     except OSError as exc:
         raise _UsageError(f"cannot read hostfile {opts.hostfile}: {exc.strerror}") from None
     if not 0 <= opts.host_index < len(hosts):
@@ -361,8 +367,10 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
     def on_sigterm(signum: int, frame: Any) -> None:
         raise _Terminated(signum)
 
-    # SIGTERM and SIGHUP (the terminal closed) stop the workers and clean up like Ctrl-C.
-    previous = {s: signal.signal(s, on_sigterm) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGTERM and SIGHUP (the terminal closed) stop the workers and clean up like Ctrl-C; an ignored
+    # SIGHUP (nohup) stays ignored.
+    stops = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, on_sigterm) for s in stops}
     try:
         outcomes = run_restarting(
             lambda config: supervise(functools.partial(entry, config), range(first, first + n), timeout=opts.timeout,

@@ -24,9 +24,19 @@ _FINAL = ("CheckpointError", "JobFileError")
 
 
 def retryable(failure: Outcome) -> bool:
-    """True unless ``failure`` is one a restart would repeat (see :data:`_FINAL`)."""
-    kind = (failure.summary or "").split(":")[0].rsplit(".", 1)[-1]
-    return not (failure.status == "error" and kind in _FINAL)
+    """True unless ``failure`` is one a restart would repeat (see :data:`_FINAL`): the worker's own
+    exception, or the cause of an operator's failure (a full disk under the exactly-once sink is
+    an ``OperatorError`` caused by a ``CheckpointError``), or any exception that caused those."""
+    if failure.status != "error":
+        return True
+    kinds = {(failure.summary or "").split(":")[0].rsplit(".", 1)[-1]}
+    seen: set[int] = set()
+    exc = failure.cause
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        kinds.update(cls.__name__ for cls in type(exc).__mro__)
+        exc = exc.__cause__
+    return not kinds.intersection(_FINAL)
 
 
 def run_restarting(attempt: Callable[[CheckpointConfig | None], list[Outcome]], restarts: int,

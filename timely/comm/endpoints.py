@@ -32,24 +32,38 @@ def loopback_endpoints(base_port: int, peers: int) -> list[str]:
     return [f"tcp://127.0.0.1:{base_port + i}" for i in range(peers)]
 
 
-def parse_hostfile(text: str, default_port: int = DEFAULT_PORT, source: str = "hostfile") -> list[tuple[str, int]]:
-    """Parse ``host[:baseport]`` lines (blank lines and ``#`` comments ignored) into pairs."""
+def parse_hostfile(text: str, default_port: int = DEFAULT_PORT, source: str = "hostfile",
+                   workers: int = 1) -> list[tuple[str, int]]:
+    """Parse ``host[:baseport]`` lines (``[ipv6]`` or ``[ipv6]:baseport``; blank lines and ``#``
+    comments ignored) into pairs; a host's ``workers`` listen on ``baseport`` and the ports after it."""
     hosts: list[tuple[str, int]] = []
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        host, sep, port_text = line.rpartition(":")
-        if not sep:
-            host, port = line, default_port
+        if line.startswith("["):  # [ipv6] or [ipv6]:port
+            host, bracket, rest = line[1:].partition("]")
+            if not bracket or rest and not rest.startswith(":"):
+                raise HostfileError(f"{source}:{number}: expected [address] or [address]:port, got {line!r}")
+            port_text = rest[1:] if rest else None
+        elif line.count(":") > 1:
+            raise HostfileError(f"{source}:{number}: an IPv6 address needs brackets, [address] or "
+                                f"[address]:port, got {line!r}")
+        else:
+            host, sep, port_text = line.partition(":")
+            port_text = port_text if sep else None
+        if port_text is None:
+            port = default_port
         else:
             try:
                 port = int(port_text)
             except ValueError:
                 raise HostfileError(f"{source}:{number}: bad port {port_text!r} in {line!r}") from None
-        host = host.strip("[]")  # allow [ipv6]:port
-        if not host or not 0 < port < 65536:
+        if not host:
             raise HostfileError(f"{source}:{number}: expected host[:port], got {line!r}")
+        if not 0 < port <= 65536 - workers:
+            raise HostfileError(f"{source}:{number}: its {workers} worker(s) would listen on ports {port} to "
+                                f"{port + workers - 1}, which must lie within 1-65535 ({line!r})")
         hosts.append((host, port))
     if not hosts:
         raise HostfileError(f"{source}: no hosts listed")
