@@ -29,6 +29,8 @@ from .client import close_stream, shutdown, status
 from .errors import (
     BridgeError,
     ClusterStopping,
+    CommitPending,
+    CommitUnconfirmed,
     CoordinatorUnreachable,
     SchemaMismatch,
     UnknownStream,
@@ -39,9 +41,9 @@ from .schema import SchemaError
 from .server import serve, server_of
 
 __all__ = [
-    "BridgeError", "ClusterStopping", "CoordinatorUnreachable", "SchemaError", "SchemaMismatch", "UnknownStream",
-    "WorkerUnreachable", "arrow_to_rows", "close_stream", "endpoint", "register", "run", "serve", "shutdown", "sink",
-    "source", "status", "stop",
+    "BridgeError", "ClusterStopping", "CommitPending", "CommitUnconfirmed", "CoordinatorUnreachable", "SchemaError",
+    "SchemaMismatch", "UnknownStream", "WorkerUnreachable", "arrow_to_rows", "close_stream", "endpoint", "register",
+    "run", "serve", "shutdown", "sink", "source", "status", "stop",
 ]
 
 

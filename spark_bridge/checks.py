@@ -58,7 +58,8 @@ _tokens = _pairs(_text, _pairs(_nat, _nat))
 _COORDINATOR: dict[str, dict[str, Check]] = {
     Request.HELLO: {"worker": _nat, "endpoint": _text, "generation": _text, "job": _optional(_text)},
     Request.PLAN: {"stream": _text, "kind": _text, "schema": _optional(_pairs(_text, _text)), "key": _optional(_text)},
-    Request.COMMIT: {"stream": _text, "query": _text, "batch": _nat, "tokens": _tokens, "final": _optional(_flag)},
+    Request.COMMIT: {"stream": _text, "query": _text, "batch": _nat, "tokens": _tokens, "final": _optional(_flag),
+                     "progress": _optional(_flag)},
     Request.ABORT: {"stream": _text, "query": _text, "batch": _nat, "tokens": _optional(_tokens),
                     "final": _optional(_flag)},
     Request.CLOSE: {"stream": _text},

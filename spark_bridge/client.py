@@ -9,6 +9,7 @@ job secret (:class:`~timely.comm.secret.JobSecret`) every socket is a CURVE clie
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -21,7 +22,15 @@ import zmq
 from timely.comm.secret import JobSecret, resolve
 
 from . import protocol as P
-from .errors import ClusterStopping, CoordinatorUnreachable, WorkerUnreachable, from_reply
+from .errors import (
+    BridgeError,
+    ClusterStopping,
+    CommitPending,
+    CommitUnconfirmed,
+    CoordinatorUnreachable,
+    WorkerUnreachable,
+    from_reply,
+)
 from .protocol import Op, Request
 
 DEFAULT_TIMEOUT = 30.0
@@ -29,7 +38,7 @@ DEFAULT_TIMEOUT = 30.0
 #: failed, typically because the cluster stopped answering, so the abort must not add another
 #: ``timeout`` to the failure (the request still leaves in the background if the cluster answers).
 ABORT_WAIT = 1.0
-#: Seconds between the sends of a request retried until answered (:meth:`Coordinator.request_until_answered`).
+#: The longest time between the sends of a commit (:meth:`Coordinator.request_until_answered`).
 RETRY_WAIT = 5.0
 _SECRET_HINT = "(a job with a secret answers only clients given the same one: option 'secret' or $TIMELY_SECRET)"
 
@@ -48,6 +57,19 @@ def context() -> zmq.Context:
     return _ctx
 
 
+def seconds(value: Any, name: str = "timeout") -> float:
+    """``value`` (a number or its text) as a positive, finite number of seconds; a
+    :class:`BridgeError` naming the option ``name`` and the value otherwise."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        out = math.nan
+    # Invariant: every wait of the bridge is bounded (a negative poll timeout waits forever).
+    if not (0 < out < math.inf):
+        raise BridgeError(f"option '{name}' must be a positive number of seconds, not {str(value)!r}")
+    return out
+
+
 class Coordinator:
     """Requests to worker 0's coordinator endpoint; each gets a fresh socket and a deadline."""
 
@@ -55,7 +77,7 @@ class Coordinator:
         if not endpoint:
             raise ValueError("the 'endpoint' option (the timely coordinator, e.g. tcp://127.0.0.1:7447) is required")
         self.endpoint = endpoint
-        self.timeout = float(timeout)
+        self.timeout = seconds(timeout)
         self.secret = secret
 
     def request(self, op: Request, wait: float | None = None, **fields: Any) -> dict:
@@ -85,18 +107,67 @@ class Coordinator:
         return reply
 
     def request_until_answered(self, op: Request, **fields: Any) -> dict:
-        """:meth:`request`, sent again every :data:`RETRY_WAIT` s until answered, for at most the
-        timeout in all. Only for requests the coordinator answers the same however often they come
-        (a commit: a batch is decided once), so that one survives a restart of the cluster: a job
-        with checkpoints comes back on the same coordinator endpoint and answers a commit it logged
-        as a duplicate, and refuses one it did not (its staged rows are gone: write again)."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                return self.request(op, min(RETRY_WAIT, max(deadline - time.monotonic(), 0.001)), **fields)
-            except CoordinatorUnreachable:
-                if time.monotonic() >= deadline:
-                    raise
+        """A commit: :meth:`request` on one socket, sent again every :func:`retry_wait` s while
+        unanswered. Only for requests the coordinator answers the same however often they come (a
+        batch is decided once), so that one survives a restart of the cluster: a job with
+        checkpoints comes back on the same coordinator endpoint and answers a commit it logged as a
+        duplicate, and refuses one it did not (its staged rows are gone: write again).
+
+        The request asks for ``pending`` replies (``progress``): once the coordinator says the
+        commit is decided, this waits up to the timeout once more for the final reply (every
+        worker emitted the epoch). Raises :class:`CoordinatorUnreachable` when nothing answered
+        within the timeout and nothing was decided, and :class:`CommitUnconfirmed` when the
+        coordinator decided the commit and its final reply did not come within the timeout after
+        (a decided commit is never reported as failed, and never waited for without bound)."""
+        fields.update(op=op.value, progress=True)
+        msg = P.pack(fields)
+        step = retry_wait(self.timeout)
+        sock = context().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.secret is not None:
+            self.secret.connect(sock)
+        decided: CommitPending | None = None
+        try:
+            sock.connect(self.endpoint)
+            sock.send(msg)
+            now = time.monotonic()
+            deadline, resend = now + self.timeout, now + step  # deadline: no answer at all until then
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    if decided is not None:
+                        raise CommitUnconfirmed(
+                            f"{decided}, but the timely coordinator at {self.endpoint} did not confirm it within "
+                            f"{self.timeout:g} s: the outcome is unknown (the write is applied unless the timely "
+                            f"cluster fails first); do not write the batch again, that would duplicate its rows; "
+                            f"see spark_bridge.status(endpoint)['stats'] for its epoch") from None
+                    raise CoordinatorUnreachable(
+                        f"timely coordinator at {self.endpoint} did not answer a '{op.value}' request within "
+                        f"{self.timeout:g} s: is the timely job running and serving that endpoint? {_SECRET_HINT}")
+                if now >= resend:
+                    sock.send(msg)  # a restarted cluster gets it; a live one answers 'pending' at once
+                    resend = now + step
+                if not sock.poll(max(1, int((min(deadline, resend) - now) * 1000))):
+                    continue
+                reply = P.unpack(sock.recv())
+                if reply.get("ok"):
+                    return reply
+                error = from_reply(reply)
+                if not isinstance(error, CommitPending):
+                    raise error
+                # Invariant: a commit the coordinator decided is never reported as failed while
+                # the coordinator answers; the final reply comes on this socket.
+                if decided is None:  # the final reply gets one more timeout, not one per 'pending'
+                    deadline = time.monotonic() + self.timeout
+                decided = error
+        finally:
+            sock.close(linger=0)  # an unanswered commit must not reach the job after we gave up
+
+
+def retry_wait(timeout: float) -> float:
+    """Seconds between the sends of a commit (:meth:`Coordinator.request_until_answered`): at most
+    :data:`RETRY_WAIT`, and short enough that a live coordinator answers several within ``timeout``."""
+    return min(RETRY_WAIT, timeout / 4)
 
 
 class WorkerLink:

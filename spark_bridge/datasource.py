@@ -157,7 +157,11 @@ def _write(plan: WritePlan, iterator: Iterator[Any], batch: int) -> TimelyCommit
 
             from .routing import owners
 
-            own = owners(rb.column(key), peers)
+            try:
+                own = owners(rb.column(key), peers)
+            except TypeError as e:  # planning refuses such key columns; this guards a hand-made plan
+                raise SchemaMismatch(f"stream '{plan.stream}': key column '{rb.schema.names[key]}' "
+                                     f"({rb.schema.field(key).type}) cannot be hashed to a worker: {e}") from None
             for w in range(peers):
                 idx = np.flatnonzero(own == w)
                 if len(idx) == len(own):
@@ -313,13 +317,12 @@ class TimelyBatchReader(DataSourceReader):
 
         c = _SinkClient(self.options)
         st = c.statuses()
-        start = O.opt(self.options, "startingEpoch")
-        start = c.released(st) if start is None else int(start)
-        end = O.opt(self.options, "endingEpoch")
+        start = O.integer(self.options, "startingEpoch")
+        start = c.released(st) if start is None else start
+        end = O.integer(self.options, "endingEpoch")
         if end is None:
             end = c.latest(st)
         else:
-            end = int(end)
             deadline = time.monotonic() + c.timeout
             while c.latest(st) < end:
                 if all(s["empty"] for s in st):
@@ -351,16 +354,16 @@ class TimelyStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._client
 
     def initialOffset(self) -> dict:
-        start = O.opt(self.options, "startingEpoch")
-        return {"epoch": self.client.released() if start is None else int(start)}
+        start = O.integer(self.options, "startingEpoch")
+        return {"epoch": self.client.released() if start is None else start}
 
     def latestOffset(self, start: dict, limit: Any) -> dict:
         latest = self.client.latest()
         if self._target is not None:
             latest = min(latest, self._target)
-        most = O.opt(self.options, "maxEpochsPerTrigger")
+        most = O.integer(self.options, "maxEpochsPerTrigger", 1)
         if most is not None:
-            latest = min(latest, int(start["epoch"]) + int(most))
+            latest = min(latest, int(start["epoch"]) + most)
         return {"epoch": max(int(start["epoch"]), latest)}
 
     def prepareForTriggerAvailableNow(self) -> None:
@@ -384,8 +387,9 @@ class TimelyDataSource(DataSource):
     ``stream`` (required): the source (writes) or sink (reads) name.
     ``keyColumn``: writes route each row to the worker owning ``hash64(row[keyColumn])``.
     ``queryId``: streaming writes: the query's stable identity (default: ``checkpointLocation``,
-    else ``queryName``). ``timeout``: seconds to wait for the cluster (default 30; an unanswered
-    commit is sent again for that long, so that it reaches a job restarting from a checkpoint).
+    else ``queryName``). ``timeout``: seconds to wait for the cluster (a positive number, default
+    30; an unanswered commit is sent again for that long, so that it reaches a job restarting from a
+    checkpoint; a commit the coordinator reports as decided is waited for up to ``timeout`` more).
     ``startingEpoch`` / ``endingEpoch``: reads. ``epochColumn``: reads add the epoch as a bigint column.
     ``maxEpochsPerTrigger``: streaming reads. ``secret`` (the text) or ``secretFile`` (a file
     holding it): the job's secret, when it has one (default: ``$TIMELY_SECRET`` /

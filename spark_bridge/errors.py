@@ -32,10 +32,22 @@ class ClusterStopping(BridgeError):
     """The timely cluster is shutting down (or stopped) while a request was in flight."""
 
 
+class CommitPending(BridgeError):
+    """The coordinator decided a commit and waits for every worker to emit its epoch (the quick
+    answer to a commit request that accepts it; the client keeps waiting)."""
+
+
+class CommitUnconfirmed(BridgeError, TimeoutError):
+    """The coordinator decided a commit but did not confirm within the timeout that every worker
+    emitted its epoch: the write is applied unless the timely cluster fails first. Never write the
+    batch again (that would duplicate its rows)."""
+
+
 _KINDS = {
     "unknown_stream": UnknownStream,
     "schema": SchemaMismatch,
     "stopping": ClusterStopping,
+    "pending": CommitPending,
 }
 
 

@@ -273,20 +273,26 @@ class CommitLedger:
         return not (self.close_requested or self.done)
 
     def request_commit(self, requester: Hashable, query: str, batch: int, tokens: list, final: bool,
-                       stopping: str | None = None, unstaged: Callable[[], str | None] | None = None) -> dict | None:
+                       stopping: str | None = None, unstaged: Callable[[], str | None] | None = None,
+                       progress: bool = False) -> dict | None:
         """A commit request: its reply now, or None when it is answered later by :meth:`acknowledge`
         or :meth:`finish`. ``stopping``: the message refusing new commits (the bridge is stopping);
-        ``unstaged()``: why a new commit lists attempts that were not staged, if it does (refused)."""
+        ``unstaged()``: why a new commit lists attempts that were not staged, if it does (refused).
+        ``progress``: the requester accepts a ``pending`` error reply now for a commit that is
+        decided but not yet acknowledged (and still gets the final reply later, once)."""
         key = (query, batch)
+        if key in self._waiting:
+            # Decided (queued or published), not yet emitted everywhere: never answered as a
+            # success before the frontier passes its epoch (with checkpoints: before it is logged).
+            if requester not in self._waiting[key] or not progress:
+                self._waiting[key].append(requester)
+            return self._pending(key) if progress else None
         if key in self._committed:
             return P.ok(epoch=self._committed[key], duplicate=True, rows=0)
         if stopping is not None:
             return P.error(stopping, "stopping")
         if not final and batch <= self._watermark.get(query, -1):
             return P.ok(epoch=None, duplicate=True, rows=0)
-        if key in self._waiting:
-            self._waiting[key].append(requester)
-            return None
         if not self.open:
             return P.error(f"stream '{self.name}' is closed: commit of batch {batch} rejected", "stopping")
         if not final and batch < self._queued.get(query, -1):
@@ -302,7 +308,14 @@ class CommitLedger:
         self._waiting[key] = [requester]
         rows = sum(int(r) for _, per in tokens for _, r in per)
         self._decisions.append(Decision(Request.COMMIT, query, batch, tokens, final, rows))
-        return None
+        return self._pending(key) if progress else None
+
+    def _pending(self, key: Key) -> dict:
+        """The ``pending`` reply of a decided commit that waits for every worker to emit its epoch."""
+        epoch = self._committed.get(key)
+        at = "queued for the next epoch" if epoch is None else f"published at epoch {epoch}"
+        return P.error(f"stream '{self.name}': the commit of query {key[0]} batch {key[1]} is decided ({at}) and "
+                       f"waits for every worker to emit it", "pending", epoch=epoch)
 
     def request_abort(self, query: str, batch: int, tokens: list, final: bool) -> dict:
         """An abort request: queues an abort decision unless the batch is (being) committed."""

@@ -6,7 +6,7 @@ from typing import Any
 
 from timely.comm.secret import JobSecret, resolve
 
-from .client import DEFAULT_TIMEOUT, Coordinator
+from .client import DEFAULT_TIMEOUT, Coordinator, seconds
 from .errors import BridgeError
 
 
@@ -42,8 +42,23 @@ def stream(options: Any) -> str:
 
 
 def timeout(options: Any) -> float:
-    """Seconds to wait for the cluster (``timeout``, default 30)."""
-    return float(opt(options, "timeout", "timely.timeout", default=DEFAULT_TIMEOUT))
+    """Seconds to wait for the cluster (``timeout``, default 30): a positive number."""
+    return seconds(opt(options, "timeout", "timely.timeout", default=DEFAULT_TIMEOUT), "timeout")
+
+
+def integer(options: Any, name: str, minimum: int = 0) -> int | None:
+    """The integer option ``name`` (``startingEpoch``, ``endingEpoch``, ``maxEpochsPerTrigger``), at
+    least ``minimum``; None when unset. A :class:`BridgeError` naming the option and the value otherwise."""
+    value = opt(options, name)
+    if value is None:
+        return None
+    try:
+        out = int(str(value).strip())
+    except ValueError:
+        out = None
+    if out is None or out < minimum:
+        raise BridgeError(f"option '{name}' must be an integer of at least {minimum}, not {str(value)!r}")
+    return out
 
 
 def secret(options: Any) -> JobSecret | None:

@@ -11,8 +11,11 @@ msgpack map. Requests carry ``op``, a :class:`Request`:
 - ``plan {stream, kind: "write"|"read", schema, key}``: the data endpoints of every worker, the
   stream's declared schema, ``max_message_bytes`` (the largest frame a worker accepts); checks the
   stream exists and the schema matches.
-- ``commit {stream, query, batch, tokens, final}``: publish a staged batch as the next epoch.
-  Answered once every worker's source has emitted the epoch (its frontier passed it).
+- ``commit {stream, query, batch, tokens, final, progress}``: publish a staged batch as the next
+  epoch. Answered once every worker's source has emitted the epoch (its frontier passed it). With
+  ``progress: true`` a commit that is decided but not yet emitted everywhere is also answered at
+  once (and again on every repeat) by ``{"ok": False, "kind": "pending", "epoch": E or None}``,
+  so that a client tells a slow commit from an unreachable coordinator; the final reply follows.
 - ``abort {stream, query, batch, tokens, final}``: discard the staged data of a batch.
 - ``close {stream}``: close a source (its frontier becomes empty once pending commits are out).
 - ``shutdown {}``: close every source, stop accepting data, release sinks.

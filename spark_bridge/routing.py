@@ -69,3 +69,24 @@ def owners(column: Any, peers: int):
 
         h = np.fromiter((hash64(v) for v in column.to_pylist()), dtype=np.uint64, count=n)
     return (h % np.uint64(peers)).astype(np.int64)
+
+
+#: Spark types whose Python values (see :mod:`spark_bridge.schema`) ``hash64`` accepts: int, bool,
+#: float, None, str, bytes, and lists/tuples of these (arrays; maps are lists of (key, value) pairs).
+HASHABLE = frozenset({"boolean", "tinyint", "smallint", "int", "bigint", "float", "double", "string", "binary", "void"})
+
+
+def hashable(spark_type: str) -> bool:
+    """Whether ``keyColumn`` may be a column of ``spark_type`` (a normalised Spark type string):
+    not date, timestamp, decimal or struct (``datetime``/``Decimal``/``dict`` values ``hash64``
+    refuses), nor an array or map of them."""
+    if spark_type in HASHABLE:
+        return True
+    if spark_type.startswith("array<") and spark_type.endswith(">"):
+        return hashable(spark_type[6:-1])
+    if spark_type.startswith("map<") and spark_type.endswith(">"):
+        from .schema import _split_top
+
+        parts = _split_top(spark_type[4:-1])
+        return len(parts) == 2 and all(hashable(p) for p in parts)
+    return False

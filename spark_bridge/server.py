@@ -247,7 +247,8 @@ class BridgeServer:
             return next((why for _, _, why in src.staging.unstaged(query, batch, tokens)), None)
 
         return self._decide(req, lambda src: src.ledger.request_commit(
-            ident, query, batch, tokens, bool(req.get("final")), self._refusal(src.name), lambda: unstaged(src)))
+            ident, query, batch, tokens, bool(req.get("final")), self._refusal(src.name), lambda: unstaged(src),
+            bool(req.get("progress"))))
 
     def _abort(self, ident: bytes, req: dict) -> dict | None:
         return self._decide(req, lambda src: src.ledger.request_abort(

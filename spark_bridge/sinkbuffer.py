@@ -55,8 +55,16 @@ class SinkBuffer:
             return
         if not records:
             return
+        struct = pa.struct(list(self.schema))
         try:
-            columns = pa.array(records, type=pa.struct(list(self.schema))).flatten()
+            try:
+                columns = pa.array(records, type=struct).flatten()
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
+                # Arrow takes a struct value as a tuple or a dict, not a list: records given as lists
+                # are converted only when the fast path fails (tuples cost nothing extra).
+                if not any(type(r) is list for r in records):
+                    raise
+                columns = pa.array([tuple(r) if type(r) is list else r for r in records], type=struct).flatten()
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
             raise BridgeError(self._explain(epoch, records, e)) from e
         rb = pa.RecordBatch.from_arrays(columns, schema=self.schema)
@@ -126,11 +134,14 @@ class SinkBuffer:
 
     def answer_reads(self, stopping: str | None = None) -> list[tuple[Any, list[Batch], dict]]:
         """``(reader, batches, final reply)`` for every read that can be answered now: its epochs are
-        complete, or the sink is done, or the bridge is ``stopping`` (the message refusing the rest)."""
+        complete, or the sink's input is complete or done (the epochs that exist), or the bridge is
+        ``stopping`` (the message refusing the rest)."""
         limit = self.complete_before()
         answers, keep = [], []
         for reader, start, end in self._reads:
-            if end > limit and stopping is None and not self.done:
+            # Invariant: a read waits only while an epoch it asks for may still come or complete;
+            # once the input is complete (frontier None) every epoch that exists is served.
+            if end > limit and stopping is None and not self.done and self.frontier is not None:
                 keep.append((reader, start, end))
             else:
                 answers.append((reader, *self._answer(start, end, stopping)))
@@ -138,7 +149,7 @@ class SinkBuffer:
         return answers
 
     def _answer(self, start: int, end: int, stopping: str | None) -> tuple[list[Batch], dict]:
-        if stopping is not None and end > self.complete_before() and not self.done:
+        if stopping is not None and end > self.complete_before() and not self.done and self.frontier is not None:
             return [], P.error(stopping, "stopping")
         if start < self.released:
             return [], P.error(f"sink '{self.name}': epochs before {self.released} were already released by a "

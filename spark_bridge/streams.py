@@ -10,6 +10,7 @@ from typing import Any
 from . import protocol as P
 from . import schema as S
 from .ledger import CommitLedger, Staging
+from .routing import hashable
 from .sinkbuffer import SinkBuffer
 
 
@@ -99,6 +100,11 @@ class Streams:
         if key is not None and key not in [n for n, _ in actual]:
             return P.error(f"stream '{name}': key column '{key}' is not a column of the DataFrame "
                            f"({', '.join(n for n, _ in actual)})", "schema")
+        if key is not None and not hashable(dict(actual)[key]):
+            return P.error(f"stream '{name}': option 'keyColumn' names column '{key}' of type {dict(actual)[key]}, "
+                           f"which cannot be hashed to a worker (hash64 takes boolean, integer, float, double, "
+                           f"string and binary columns, and arrays and maps of them); choose another key "
+                           f"column or cast it (e.g. to string or bigint)", "schema")
         return P.ok(fields=src.fields)
 
     def stats(self) -> dict:

@@ -264,7 +264,11 @@ def test_a_stopping_bridge_refuses_new_commits_but_answers_committed_ones():
     c.commit("q", 0, c.tokens(t), final=True)
     c.publish()
     again = c.commit("q", 0, c.tokens(t), final=True, stopping="shutting down")
-    assert c.replies[again][0]["duplicate"]
+    assert c.replies[again] == []  # decided, not yet emitted everywhere: waits, never refused
+    c.advance()
+    assert c.replies[again] == [{"ok": True, "epoch": 0, "rows": 1}]
+    late = c.commit("q", 0, c.tokens(t), final=True, stopping="shutting down")
+    assert c.replies[late][0]["duplicate"]
     new = c.commit("r", 0, [], final=True, stopping="shutting down")
     assert c.replies[new] == [{"ok": False, "kind": "stopping", "error": "shutting down"}]
 

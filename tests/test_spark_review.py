@@ -1,0 +1,219 @@
+"""Spark bridge regressions from review, without a JVM: commits the coordinator decided are never
+reported as failed, batch reads past the end of a completed sink, unhashable key columns refused at
+planning, sink records given as lists, and numeric options checked with messages naming them."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pytest.importorskip("pyspark")
+zmq = pytest.importorskip("zmq")
+
+from sparkjob import ThreadJob  # noqa: E402
+from test_spark_unit import SCHEMA, batch, capture_job  # noqa: E402
+
+import spark_bridge  # noqa: E402
+from spark_bridge import client  # noqa: E402
+from spark_bridge import datasource as D  # noqa: E402
+from spark_bridge import options as O  # noqa: E402
+from spark_bridge import protocol as P  # noqa: E402
+from spark_bridge import schema as S  # noqa: E402
+from spark_bridge.errors import BridgeError, CommitUnconfirmed, CoordinatorUnreachable  # noqa: E402
+from spark_bridge.ledger import CommitLedger  # noqa: E402
+from spark_bridge.routing import owners  # noqa: E402
+from spark_bridge.sinkbuffer import SinkBuffer  # noqa: E402
+from spark_bridge.streams import Streams  # noqa: E402
+
+
+# -- 1. a decided commit is never reported as failed -------------------------------------------------------
+def test_ledger_answers_a_decided_commit_pending_and_never_ok_before_its_epoch_passed():
+    ledger = CommitLedger("ev")
+    tokens = [["t", [[0, 2]]]]
+    first = ledger.request_commit("a", "q", 0, tokens, True, progress=True)
+    assert first["kind"] == "pending" and first["epoch"] is None and "queued" in first["error"]
+    decision = ledger.next_decision()
+    ledger.committed(decision, 0)
+    # published, not yet emitted everywhere: a repeat is pending (with progress) or held (without),
+    # never a success that Spark would take as committed before the epoch is emitted (and logged)
+    again = ledger.request_commit("a", "q", 0, tokens, True, progress=True)
+    assert again["kind"] == "pending" and again["epoch"] == 0
+    assert ledger.request_commit("b", "q", 0, tokens, True) is None
+    assert ledger.request_commit("c", "q", 0, tokens, True, stopping="the bridge stops") is None
+    replies = ledger.acknowledge(lambda epoch: True)
+    assert replies == [(r, {"ok": True, "epoch": 0, "rows": 2}) for r in ("a", "b", "c")]  # "a" once
+    assert ledger.request_commit("d", "q", 0, tokens, True, progress=True)["duplicate"]
+
+
+class FakeCoordinator:
+    """A coordinator that decides every commit at once and acknowledges it after ``delay`` s,
+    answering as the bridge does (``pending`` only to requests that ask for it)."""
+
+    def __init__(self, delay: float) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.delay = delay
+        self.requests = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        waiting: list[bytes] = []
+        done_at = None
+        while not self.stop.is_set():
+            if self.sock.poll(10):
+                ident, body = self.sock.recv_multipart()
+                req = P.unpack(body)
+                self.requests += 1
+                done_at = done_at or time.monotonic() + self.delay
+                if ident not in waiting:
+                    waiting.append(ident)
+                if req.get("progress"):
+                    self.sock.send_multipart([ident, P.pack(P.error("decided", "pending", epoch=0))])
+            if done_at is not None and time.monotonic() >= done_at:
+                for ident in waiting:
+                    self.sock.send_multipart([ident, P.pack(P.ok(epoch=0, rows=1))])
+                waiting, done_at = [], None
+        self.sock.close(0)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+        self.ctx.term()
+
+
+@pytest.mark.timeout(30)
+def test_client_waits_a_timeout_more_for_a_decided_commit_then_says_it_is_unconfirmed():
+    fake = FakeCoordinator(delay=1.0)
+    try:
+        t = time.monotonic()
+        reply = client.Coordinator(fake.endpoint, 1.6).request_until_answered(P.Request.COMMIT, stream="ev")
+        assert reply == {"ok": True, "epoch": 0, "rows": 1}
+        assert 0.9 < time.monotonic() - t < 5
+        assert fake.requests >= 3  # sent again (every timeout / 4) while pending
+    finally:
+        fake.close()
+    fake = FakeCoordinator(delay=3.0)
+    try:
+        t = time.monotonic()
+        with pytest.raises(CommitUnconfirmed, match="decided.*do not write the batch again"):
+            client.Coordinator(fake.endpoint, 0.6).request_until_answered(P.Request.COMMIT, stream="ev")
+        assert time.monotonic() - t < 2.5  # one timeout after the decision, not one per 'pending'
+    finally:
+        fake.close()
+
+
+def _slow_job(scope, ep):
+    ev = spark_bridge.source(scope, "events", SCHEMA, coordinator=ep)
+    slow = ev.map(lambda r: (time.sleep(1.2), r)[1])  # blocks the only worker, coordinator included
+    cap = slow.capture()
+    return cap.extract
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_decided_then_unanswered_is_unconfirmed_not_unreachable():
+    with ThreadJob(_slow_job) as job:
+        opts = {"endpoint": job.endpoint, "stream": "events", "timeout": "1.5"}
+        plan = D._plan_write(opts, SCHEMA, False, "write-slow", 0)
+        m = D._write(plan, iter([batch([1, 2])]), 0)
+        with pytest.raises(CommitUnconfirmed, match="do not write the batch again") as info:
+            D._commit(plan, [m], 0)
+        assert not isinstance(info.value, CoordinatorUnreachable)
+        D._abort(plan, [m], 0)  # what Spark does next: ignored, the batch was decided
+        deadline = time.monotonic() + 20
+        while job.stats()["epochs"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert D._commit(plan, [m], 0)["duplicate"]  # once emitted, a retry of the commit confirms it
+        result = job.stop()
+    assert result == [(0, [(1, 1), (2, 2)])]
+
+
+# -- 2. a batch read past the end of a completed sink ------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_batch_read_past_the_end_of_a_completed_sink_returns_the_epochs_that_exist():
+    with ThreadJob(capture_job) as job:
+        opts = {"endpoint": job.endpoint, "stream": "events", "timeout": "10"}
+        plan = D._plan_write(opts, SCHEMA, False, "q1", 0)
+        D._commit(plan, [D._write(plan, iter([batch([1, 2])]), 0)], 0)
+        spark_bridge.close_stream(job.endpoint, "events")
+        r = D.TimelyBatchReader({"endpoint": job.endpoint, "stream": "tenfold", "endingEpoch": "3",
+                                 "timeout": "10"})
+        deadline = time.monotonic() + 10
+        while not all(s["empty"] for s in D._SinkClient(r.options).statuses()):
+            assert time.monotonic() < deadline, "the sink's input did not complete"
+            time.sleep(0.05)
+        t = time.monotonic()
+        rows = [row for p in r.partitions() for b in r.read(p) for row in b.to_pylist()]
+        assert time.monotonic() - t < 5
+        assert rows == [{"key": 1, "value": 10}, {"key": 2, "value": 20}]
+        job.stop()
+
+
+# -- 3. key columns hash64 cannot hash -----------------------------------------------------------------
+REFUSED_KEYS = ["date", "timestamp", "timestamp_ntz", "decimal(10,2)", "struct<a:int>", "array<date>",
+                "map<string,decimal(5,1)>"]
+ACCEPTED_KEYS = ["boolean", "int", "bigint", "double", "string", "binary", "array<bigint>", "map<string,bigint>"]
+
+
+@pytest.mark.parametrize("key_type", REFUSED_KEYS)
+def test_a_key_column_that_cannot_be_hashed_is_refused_at_planning(key_type):
+    st = Streams(0)
+    st.add_source("events", None, False)
+    reply = st.plan({"stream": "events", "kind": "write", "schema": [["k", key_type], ["v", "bigint"]],
+                     "key": "k"}, "tcp://x")
+    assert not reply["ok"] and reply["kind"] == "schema"
+    assert "'keyColumn'" in reply["error"] and "'k'" in reply["error"] and key_type in reply["error"]
+
+
+@pytest.mark.parametrize("key_type", ACCEPTED_KEYS)
+def test_a_hashable_key_column_is_accepted_and_routes(key_type):
+    st = Streams(0)
+    st.add_source("events", None, False)
+    reply = st.plan({"stream": "events", "kind": "write", "schema": [["k", key_type]], "key": "k"}, "tcp://x")
+    assert reply["ok"], reply
+    samples = {"boolean": [True, None], "int": [1, None], "bigint": [2, 3], "double": [1.5, None],
+               "string": ["a", None], "binary": [b"x", None], "array<bigint>": [[1, 2], None],
+               "map<string,bigint>": [[("a", 1)], None]}
+    assert len(owners(pa.array(samples[key_type], S.arrow_type(key_type)), 3)) == 2
+
+
+# -- 4. sink records given as lists ----------------------------------------------------------------------
+def test_sink_records_may_be_lists():
+    b = SinkBuffer("counts", S.parse("key bigint, count bigint"), False, 0)
+    b.add(0, [[2, 20], (3, 30)])
+    b.add(0, [(4, 40)])
+    b.advance(1)
+    got = [pa.ipc.read_record_batch(pa.py_buffer(body), b.schema).to_pylist() for _, body in b.complete[0]]
+    assert got == [[{"key": 2, "count": 20}, {"key": 3, "count": 30}], [{"key": 4, "count": 40}]]
+    with pytest.raises(BridgeError, match="does not have the 2 fields"):
+        b.add(1, [[5]])
+
+
+# -- 5. numeric options ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["-1", "0", "abc", "nan", "inf", ""])
+def test_a_bad_timeout_names_the_option_and_the_value(value):
+    options = {"endpoint": "tcp://127.0.0.1:9", "timeout": value}
+    if value == "":  # unset: the default
+        assert O.coordinator(options).timeout == client.DEFAULT_TIMEOUT
+        return
+    with pytest.raises(BridgeError, match=f"option 'timeout' must be a positive number of seconds, not '{value}'"):
+        O.coordinator(options)
+    with pytest.raises(BridgeError, match="option 'timeout'"):
+        client.Coordinator("tcp://127.0.0.1:9", float(value) if value != "abc" else value)
+    with pytest.raises(BridgeError, match="option 'timeout'"):
+        spark_bridge.status("tcp://127.0.0.1:9", timeout=-1)
+
+
+@pytest.mark.parametrize(("name", "value", "minimum"), [("startingEpoch", "x", 0), ("endingEpoch", "-2", 0),
+                                                        ("maxEpochsPerTrigger", "0", 1), ("endingEpoch", "1.5", 0)])
+def test_a_bad_epoch_option_names_the_option_and_the_value(name, value, minimum):
+    with pytest.raises(BridgeError, match=f"option '{name}' must be an integer of at least {minimum}, not '{value}'"):
+        O.integer({name: value}, name, minimum)
+    assert O.integer({name: " 7 "}, name, minimum) == 7 and O.integer({}, name) is None
