@@ -467,3 +467,84 @@ def test_exception_in_notify_logic_names_operator():
         run(main, 1)
     assert "Notifier" in str(ei.value) and "missing state for 0" in str(ei.value)
     assert isinstance(ei.value.cause, KeyError) and ei.value.operator == "Notifier" and ei.value.worker == 0
+
+
+def _stale_capability_job(use):
+    """A unary_frontier that keeps its first batch's input capability and, a call later, hands it
+    to ``use(cap, batch, out)``."""
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+
+            def constructor(cap, info):
+                cap.drop()
+                kept = []
+
+                def logic(i, out):
+                    for c, b in i:
+                        kept.append((c, list(b)))
+                    if len(kept) > 1:
+                        use(kept[0][0], kept[0][1], out)
+                return logic
+
+            inp.stream.unary_frontier(constructor, name="Late").probe()
+        inp.send("a")
+        inp.advance_to(1)
+        for _ in range(20):  # the first batch's call, and the frontier passes its time
+            worker.step()
+        inp.send("b")
+        inp.close()
+        worker.finish()
+
+    return main
+
+
+def test_an_input_capability_used_after_its_invocation_is_refused():
+    """A batch's capability is valid in the invocation that received it: used later, after the
+    frontier may have passed its time, it would send records at a completed time."""
+    expected = "operator 'Late': the input capability at 0 was used after the invocation that received its batch"
+    for use in (lambda cap, batch, out: out.give_batch(cap, batch), lambda cap, batch, out: cap.retain().drop()):
+        with pytest.raises(timely.OperatorError) as ei:
+            run(_stale_capability_job(use), 1)
+        assert expected in str(raised_cause(ei, timely.CapabilityError))
+
+
+@pytest.mark.parametrize("workers", [2])  # (on one worker every pact is a pipeline: no key is taken)
+def test_an_exchange_key_that_raises_is_named_with_the_record_and_time(workers):
+    class BadRecord(Exception):
+        def __init__(self, record, why):  # a constructor of two arguments: cannot be rebuilt from one message
+            super().__init__(f"{record}: {why}")
+
+    def key(x):
+        if x == 3:
+            raise BadRecord(x, "no key")
+        return x
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            inp.stream.map(lambda x: x, name="Up").exchange(key).probe()
+        if worker.index == 0:
+            inp.send_batch([1, 2, 3, 4])
+        inp.close()
+        worker.finish()
+
+    with pytest.raises((timely.OperatorError, timely.WorkerError)) as ei:
+        run(main, workers)
+    # (BadRecord, defined here, cannot be rebuilt in this process: the worker's traceback tells)
+    assert "BadRecord: 3: no key" in str(ei.value)
+    assert "operator 'Exchange#2': exchange key failed for record 3 at time 0" in str(ei.value)
+    with pytest.raises((timely.OperatorError, timely.WorkerError)) as ei:
+        run(_keyerror_job, workers)
+    assert "KeyError: \"operator 'Exchange#1': exchange key failed for record 'b' at time 0: 'b'\"" in str(ei.value)
+
+
+def _keyerror_job(worker):
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        inp.stream.exchange(lambda x: {"a": 1}[x]).probe()
+    if worker.index == 0:
+        inp.send_batch(["a", "b"])
+    inp.close()
+    worker.finish()

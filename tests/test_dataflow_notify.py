@@ -110,3 +110,36 @@ def test_binary_notify_waits_for_both_inputs(workers, data):
     for log2, stalls2, res2 in results[:home] + results[home + 1:]:
         assert not log2 and not res2
 
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_notification_loop_left_early_delivers_the_rest_later(workers):
+    """``for cap in notificator: ...; break`` handles one completed time per invocation: the
+    others are delivered in later invocations, each once (a duplicate request of the time just
+    delivered is dropped), and the dataflow completes."""
+    import timely
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+
+            def one_time_per_call(i, out, notificator):
+                for cap, batch in i:
+                    notificator.notify_at(cap.retain())
+                    notificator.notify_at(cap.retain())  # twice: delivered once
+                for cap in notificator:
+                    out.give(cap, (cap.time, worker.index))
+                    break
+
+            got = inp.stream.unary_notify(one_time_per_call, name="OnePerCall").capture()
+        for epoch in range(4):
+            inp.send("x")
+            inp.advance_to(epoch + 1)
+        inp.close()
+        worker.step_while(worker.has_dataflows, timeout=20)
+        return got.extract()
+
+    results = timely.execute(main, workers=workers, timeout=60)
+    delivered = sorted(r for result in results for _, records in result for r in records)
+    assert delivered == sorted((t, w) for t in range(4) for w in range(workers))

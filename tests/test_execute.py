@@ -326,3 +326,32 @@ def _write_into_a_closed_socket(worker: timely.Worker) -> str:
 def test_a_socket_whose_peer_closed_raises_in_the_worker_instead_of_killing_it(no_leftovers, start):
     """The dashboard's server runs in worker 0: a client closing early must not end the job."""
     assert timely.execute(_write_into_a_closed_socket, 2, start=start, timeout=50) == ["BrokenPipeError"] * 2
+
+
+@pytest.mark.timeout(60)
+def test_completed_dataflows_are_freed_while_main_runs():
+    """A job that builds, runs and completes dataflows one after another keeps none of them (their
+    operators and state) alive once complete: a closed input no longer holds its dataflow."""
+    import gc
+    import weakref
+
+    class State:  # (weakly referenceable, unlike a bytearray)
+        data = bytearray(100_000)
+
+    def main(worker):
+        refs = []
+        for _ in range(20):
+            with worker.dataflow() as scope:
+                inp = scope.new_input()
+                state = State()
+                inp.stream.map(lambda x, s=state: x + len(s.data)).probe()
+            refs.append(weakref.ref(state))
+            inp.send(1)
+            inp.close()
+            worker.step_while(worker.has_dataflows, timeout=10)
+            del inp, state
+        gc.collect()
+        return sum(r() is not None for r in refs)
+
+    (alive,) = timely.execute(main, workers=1)
+    assert alive <= 1  # (the last one may linger in the step's locals)

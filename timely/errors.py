@@ -9,6 +9,7 @@ may raise its errors.
 from __future__ import annotations
 
 import traceback
+from typing import NoReturn
 
 
 class TimelyError(Exception):
@@ -64,3 +65,18 @@ class OperatorStuckError(OperatorError):
         RuntimeError.__init__(
             self, f"worker {worker}: operator '{operator}' ran for {seconds:.1f} s in one invocation, past the "
                   f"watchdog limit of {limit:g} s; its stack:\n{stack}")
+
+
+def raise_with_context(exc: BaseException, context: str) -> NoReturn:
+    """Raise ``exc`` with ``context`` (what was being done: the operator, record, time) before its
+    message: as a new exception of the same class, caused by ``exc``, where the class can be built
+    from one message (so callers still catch what they expect), else ``exc`` itself with
+    ``context`` as a note (a class whose constructor needs other arguments)."""
+    try:
+        wrapped = type(exc)(f"{context}: {exc}")
+    except Exception:
+        wrapped = None
+    if wrapped is None:
+        exc.add_note(context)
+        raise exc
+    raise wrapped from exc

@@ -12,7 +12,19 @@ import msgpack
 
 from ._native.hashing import add_keys, bins_of, gather, hash64, partition, route_bins
 
-__all__ = ["add_keys", "bins_of", "gather", "hash64", "partition", "route_bins", "serialisable"]
+__all__ = ["add_keys", "bins_of", "gather", "hash64", "partition", "route_bins", "serialisable", "unroutable"]
+
+
+def unroutable(batch: Any, key: Any) -> Any:
+    """The first record of ``batch`` whose exchange key (``key`` as in ``partition``: a field
+    index, a function, or ``None`` for the whole record) cannot be taken or hashed, to name it in
+    an error (``None`` if every one can)."""
+    for record in batch:
+        try:
+            hash64(record if key is None else record[key] if isinstance(key, int) else key(record))
+        except Exception:
+            return record
+    return None
 
 
 def serialisable(record: Any) -> bool:

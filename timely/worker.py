@@ -146,6 +146,9 @@ class Worker:
         if any(df.complete() for df in self._dataflows):
             self.metrics.retire([df for df in self._dataflows if df.complete()])  # their final counts
             self._dataflows = [df for df in self._dataflows if not df.complete()]
+            # A closed input needs no closing by finish(): holding it would keep its completed
+            # dataflow (operators, their state) alive for as long as main runs.
+            self._open_inputs = [h for h in self._open_inputs if not h.closed]
         if not did and not any(df.busy() for df in self._dataflows):
             # Idle: first the operators that asked to run on an idle worker (the next step runs
             # them), then, with nothing left, the park.

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..dataflow.channels import Channel, Pact, PipelineChannel
+from ..errors import raise_with_context
 from . import codec, kernels
 
 #: Bytes of parts gathered for one other worker before they are sent (the message size limit
@@ -101,7 +102,7 @@ class _CheckedPipeline(PipelineChannel):
             try:
                 kernels.hash_columns(b.slice(0, 0), self.columns)
             except (KeyError, TypeError) as e:  # a missing or unhashable column
-                raise type(e)(f"operator '{self.target.op.name}': cannot route a batch at time {time!r}: {e}") from e
+                raise_with_context(e, f"operator '{self.target.op.name}': cannot route a batch at time {time!r}")
         return super().push(time, batch)
 
 
@@ -145,7 +146,7 @@ class ColumnChannel(Channel):
         try:
             parts = self.partitioner(time, batches, self.peers)
         except (KeyError, TypeError, ValueError) as e:
-            raise type(e)(f"operator '{self.op_name}': cannot route a batch at time {time!r}: {e}") from e
+            raise_with_context(e, f"operator '{self.op_name}': cannot route a batch at time {time!r}")
         if len(parts) != self.peers:
             raise ValueError(f"operator '{self.op_name}': partitioner returned {len(parts)} lists for "
                              f"{self.peers} workers")

@@ -90,13 +90,15 @@ class Capability:
 
 class InputInfo:
     """What the capabilities of one operator input share: the operator (its ``node`` index, its
-    ``name``, its dataflow's ``progress`` batch), the ``input`` number, and per output the
-    ``summaries`` from this input to it; ``identity`` holds the outputs reached by the identity."""
+    ``name``, its dataflow's ``progress`` batch, and ``operator`` itself, whose ``activations``
+    count its invocations), the ``input`` number, and per output the ``summaries`` from this input
+    to it; ``identity`` holds the outputs reached by the identity."""
 
-    __slots__ = ("progress", "node", "name", "input", "summaries", "identity")
+    __slots__ = ("progress", "node", "name", "input", "summaries", "identity", "operator")
 
     def __init__(self, progress: ChangeBatch, node: int, name: str, input_port: int,
-                 summaries: Sequence[Sequence[Summary]], levels: int) -> None:
+                 summaries: Sequence[Sequence[Summary]], levels: int, operator: Any) -> None:
+        self.operator = operator
         self.progress = progress
         self.node = node
         self.name = name
@@ -106,17 +108,31 @@ class InputInfo:
 
 
 class InputCapability:
-    """The capability that comes with a received batch: valid only while the batch is handled.
+    """The capability that comes with a received batch: valid only while the batch is handled, in
+    the operator invocation that received it (after it, the batch's time may be complete; using it
+    then raises :class:`CapabilityError`: keep ``retain()`` instead).
 
     ``retain(output)`` / ``delayed(time, output)`` turn it into a :class:`Capability` through the
     operator's declared input->output summary.
     """
 
-    __slots__ = ("time", "info")
+    __slots__ = ("time", "info", "call")
 
     def __init__(self, info: InputInfo, time: Any) -> None:
         self.time = time
         self.info = info  # shared by every batch of the input: one allocation per batch
+        self.call = info.operator.activations  # the invocation it is valid in
+
+    @property
+    def valid(self) -> bool:
+        """True during the operator invocation that received the batch."""
+        return self.call == self.info.operator.activations
+
+    def stale_error(self) -> CapabilityError:
+        """The error of a use after the invocation that received the batch."""
+        return CapabilityError(
+            f"operator '{self.info.name}': the input capability at {self.time!r} was used after the invocation "
+            "that received its batch (the time may be complete by now); keep cap.retain() to send later")
 
     @property
     def input(self) -> int:
@@ -131,6 +147,8 @@ class InputCapability:
     def delayed(self, time: Any, output: int = 0) -> Capability:
         """A capability at ``time`` on ``output``; ``time`` must be reachable through the summary."""
         info = self.info
+        if self.call != info.operator.activations:
+            raise self.stale_error()
         summaries = self.summaries(output)
         if not summaries:
             raise CapabilityError(f"operator '{info.name}': input {info.input} is not connected to output {output}")

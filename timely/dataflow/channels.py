@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import routing
+from ..errors import raise_with_context
 
 Key = Callable[[Any], Any] | int | None
 
@@ -232,7 +233,9 @@ class ExchangeChannel(_RemoteChannel):
         try:
             parts = routing.partition(batch, self.peers, self.key)
         except Exception as e:
-            raise type(e)(f"operator '{self.op_name}': exchange key failed: {e}") from e
+            record = routing.unroutable(batch, self.key)
+            raise_with_context(e, f"operator '{self.op_name}': exchange key failed for record {record!r:.200} "
+                                  f"at time {time!r}")
         index = self.index
         for w, part in enumerate(parts):
             if part:

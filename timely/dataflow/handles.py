@@ -20,7 +20,8 @@ from .operator import InputPort, OutputPort
 
 class OperatorInput:
     """One input of an operator: iterate it for ``(capability, batch)`` pairs; ``frontier`` tells
-    which times may still arrive."""
+    which times may still arrive. A batch is read-only (other consumers of the stream on this
+    worker get the same list); its capability is valid in this invocation only."""
 
     __slots__ = ("_port", "_info")
 
@@ -39,7 +40,7 @@ class OperatorInput:
         info = self._info
         if info is None:
             info = self._info = InputInfo(op.ctx.progress, op.index, op.name, port.port, op.summary[port.port],
-                                          port.levels)
+                                          port.levels, op)
         update = op.ctx.progress.update
         target = Target(op.index, port.port)
         queue = port.queue
@@ -102,7 +103,8 @@ class OperatorOutput:
         # The common cases first, checked inline: this costs per batch, not per record.
         if type(cap) is InputCapability:
             info = cap.info
-            if port.port in info.identity and info.node == op.index and info.progress is op.ctx.progress:
+            if (port.port in info.identity and info.node == op.index and info.progress is op.ctx.progress
+                    and cap.call == op.activations):
                 return cap.time
         elif type(cap) is Capability:
             if cap.live and cap.port == port.port and cap.owned_by(op.ctx.progress, op.index):
@@ -127,6 +129,8 @@ class OperatorOutput:
             if cap.info.node != op.index or cap.info.progress is not op.ctx.progress:
                 raise CapabilityError(f"operator '{op.name}': the input capability belongs to operator "
                                       f"'{cap.info.name}'")
+            if not cap.valid:
+                raise cap.stale_error()
             if Summary.identity(port.levels) not in cap.summaries(port.port):
                 raise CapabilityError(
                     f"operator '{op.name}': an input capability can send only through an identity summary; "
@@ -195,12 +199,25 @@ class Notificator:
                 return
             self._pending = [c for c in self._pending if not self._complete(c.time)]
             ready.sort(key=lambda c: c.time)
-            for i, cap in enumerate(ready):
-                if i and cap.time == ready[i - 1].time:
-                    cap.drop()  # duplicate request for the same time: deliver once
-                    continue
-                try:
-                    yield cap
-                finally:
-                    if cap.live:
+            taken = 0  # ready[:taken] were delivered (or dropped as duplicates)
+            try:
+                for i, cap in enumerate(ready):
+                    taken = i + 1
+                    if i and cap.time == ready[i - 1].time:
+                        cap.drop()  # duplicate request for the same time: deliver once
+                        continue
+                    try:
+                        yield cap
+                    finally:
+                        if cap.live:
+                            cap.drop()
+            finally:
+                # A loop left early (break, next(iter(...))) leaves the rest for a later loop:
+                # every capability taken from _pending is delivered or dropped, or held there
+                # (invariant: otherwise its time would stay open for good). A duplicate of the
+                # time just delivered is dropped: a time is delivered once.
+                for cap in ready[taken:]:
+                    if taken and cap.time == ready[taken - 1].time:
                         cap.drop()
+                    else:
+                        self._pending.append(cap)
