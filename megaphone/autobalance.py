@@ -337,7 +337,11 @@ class Steering:
                                                       all(isinstance(x, int) and not isinstance(x, bool) for x in p)
                                                       for p in pairs):
                 raise ValueError("'moves' must be a list of [bin, worker] pairs of integers")
-            moves = dict(validate_move(b, w, c.nbins, c.peers) for b, w in pairs)
+            moves: dict[int, int] = {}
+            for b, w in pairs:
+                b, w = validate_move(b, w, c.nbins, c.peers)
+                if moves.setdefault(b, w) != w:  # one target per bin (the same move twice is harmless)
+                    raise ValueError(f"bin {b} is moved to both worker {moves[b]} and worker {w}")
             target = apply(c.planned_table, move_updates(moves))
         mid = c.rebalance(target, strategy)
         steps = [e for e in c.events if e.migration == mid]

@@ -11,12 +11,15 @@ are few (at most a quarter of the bin), a bin goes as a *delta* instead, key ``"
 the changed keys' values, the deleted keys and the bin's pending timers, slots filled in order after
 a whole write. Whole rewrites take turns: checkpoint number ``n`` rewrites whole the bins with
 ``b % P == n % P`` (``P = min(MAX_DELTAS, bins)``), so every checkpoint rewrites about ``1/P`` of the
-state and a bin has fewer than ``P`` deltas; a whole write deletes the bin's slots (all of them when
-another worker may have written them: a bin that moved in is always written whole first). A restore applies a
-bin's deltas to its whole state in epoch order;
+state; a bin whose chain already holds ``P - 1`` deltas is written whole too (it may change only at
+checkpoints that are not its turn), so a bin has fewer than ``P`` deltas, all of which a restore
+reads; a whole write deletes the bin's slots (all of them when another worker may have written them:
+a bin that moved in is always written whole first). A restore applies a bin's deltas to its whole
+state in epoch order;
 worker 0 adds the routing table in force at ``e`` to the offer's meta. At start from a checkpoint
 each worker loads only the bins it owns, under the checkpoint's table (same worker count) or a
-balanced one (rescaling), and F starts with that table.
+balanced one (rescaling), and F starts with that table, as does a :class:`~megaphone.Controller` on the
+operator's :class:`~megaphone.ControlInput` (its ``initial``: :func:`megaphone.operators._restored_control`).
 
 The cut (relied on by :meth:`BinCheckpoint.offer_before` and its three callers). The offer of epoch
 ``e`` on a worker holds the bins that the table in force at ``e`` gives this worker, with the
@@ -137,8 +140,12 @@ class BinCheckpoint:
         shared.dirty = set()
         shared.changed = {}
         self.chain: dict[int, int] = {}  # bin -> deltas written since its whole state (bins whose chain this worker knows)
+        #: True once the bins were restored from a checkpoint: F's first table (``shared.config_tables[0]``)
+        #: is then the restored one, which the control input's controller must start from too.
+        self.restored = False
         if resume > 0 and ck.manifest is not None:
             self._restore(ck.manifest)
+            self.restored = True
 
     # -- offers --------------------------------------------------------------------------------
 
@@ -178,10 +185,15 @@ class BinCheckpoint:
             used = self.chain.get(b)
             # Whole rewrites take turns: bin b's turn is every checkpoint number n with n = b mod
             # period, so each checkpoint rewrites 1/period of the bins (not all of them at once after
-            # the first checkpoint wrote them all) and a chain never outgrows its slots.
+            # the first checkpoint wrote them all). A bin that changes only at checkpoints that are
+            # not its turn would never be rewritten whole by turns alone, so a chain that already
+            # holds period - 1 deltas is written whole as well. Invariant relied on by _restore: a
+            # bin has fewer than period <= MAX_DELTAS deltas, in slots 0 .. period - 2, so the
+            # restore, which reads slots 0 .. MAX_DELTAS - 1, reads every delta written.
             turn = (e // self.every) % period == b % period
             shared.thaw(b)  # the writer lags a whole checkpoint behind: the older dump first
-            if keys is not None and used is not None and not turn and len(keys) * 4 <= len(bin_.state):
+            if (keys is not None and used is not None and not turn and used < period - 1
+                    and len(keys) * 4 <= len(bin_.state)):
                 # A delta: only the keys changed since the last offer (state_machine's records say which).
                 changed[delta_key(b, used)] = shared.frozen[b] = BinDump(shared, b, bin_.state,
                                                                          bin_.pending_timers(), e, keys)

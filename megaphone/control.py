@@ -39,8 +39,12 @@ class ControlInput:
                              f"(the job's workers), not {workers!r}")
         #: The table the migratable operators on this input start from: the bins spread over the first
         #: ``workers`` workers (default: all); the others are *spare*, holding no bin until a migration
-        #: moves bins onto them (scale-out within a running job).
+        #: moves bins onto them (scale-out within a running job). In a job started from a checkpoint,
+        #: the operators' restored table once they are built (:mod:`megaphone.checkpoint`).
         self.initial = balanced(self.nbins, self.peers if workers is None else workers)
+        #: The operator whose restore from a checkpoint set :attr:`initial` to the restored routing
+        #: table (the same on every worker), if any; the other operators on this input must agree.
+        self.restored_by: str | None = None
         self.handle = scope.new_input(name)
         self.stream = self.handle.stream
         #: The job secret of the worker that built this input (:attr:`timely.Worker.secret`): the

@@ -115,7 +115,9 @@ class Controller:
     """Issues migration steps over ``control`` as ``probe`` (on the migratable output) allows.
 
     ``table`` is the routing table in force when the controller starts (default: the one every
-    migratable operator on ``control`` starts from, ``control.initial``). The controller tracks the table from then on; it
+    migratable operator on ``control`` starts from, ``control.initial``: in a job started from a
+    checkpoint, the table the operators restored, so create the controller after building them).
+    The controller tracks the table from then on; it
     assumes it is the only sender on the control input. ``on_progress(event, what)`` is called with
     ``what`` = ``"issued"`` or ``"completed"`` for every step. Completion is noticed by
     :meth:`tick`, so durations have the resolution of the driver loop.

@@ -11,7 +11,7 @@ msgpack maps, or JSON objects (a payload starting with ``{``); a reply uses the 
   "completed_count", "done"}`` with per-step bins, times and durations (see :func:`status`);
 * ``{"op": "rebalance", "strategy": "batched", "table": [...] | "balanced": true |
   "moves": [[bin, worker], ...] or {bin: worker}}`` -> ``{"ok": true, "migration": id,
-  "steps": n, "moves": m, "strategy": s}``.
+  "steps": n, "moves": m, "strategy": s}`` (a bin moved to two different workers is refused).
 
 An invalid request gets ``{"ok": false, "error": "..."}`` and changes nothing.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,9 +68,14 @@ def _encode(message: Any, is_json: bool) -> bytes:
 
 
 def _int(x: Any, what: str) -> int:
-    """``x`` as an integer (JSON object keys arrive as strings); raises :class:`RequestError`."""
-    if isinstance(x, str) and x.strip().lstrip("-").isdigit():
-        return int(x)
+    """``x`` as an integer (JSON object keys arrive as strings); raises :class:`RequestError` naming
+    ``what`` and the value for anything else (``"--1"`` and ``"²"`` too, which look like digits but
+    that ``int`` refuses: the request is refused, never answered with an internal error)."""
+    if isinstance(x, str):
+        try:
+            return int(x)
+        except ValueError:
+            raise RequestError(f"{what} {x!r} is not an integer") from None
     if isinstance(x, bool) or not isinstance(x, int):
         raise RequestError(f"{what} {x!r} is not an integer")
     return x
@@ -238,6 +244,10 @@ class ControlEndpoint:
                     raise RequestError(f"move {p!r} is not a [bin, worker] pair")
                 b, w = _int(p[0], "bin"), _int(p[1], "worker")
                 validate_move(b, w, c.nbins, c.peers)
+                # One target per bin: of two different ones, neither is "the" move (the same move
+                # twice is harmless, e.g. {"3": 1, 3: 1} in msgpack).
+                if moves.get(b, w) != w:
+                    raise RequestError(f"bin {b} is moved to both worker {moves[b]} and worker {w}")
                 moves[b] = w
             target = apply(c.planned_table, move_updates(moves))
         mid = c.rebalance(target, strategy)  # validates the target: a bad one queues nothing
@@ -271,8 +281,13 @@ def request(endpoint: str, req: dict[str, Any], timeout: float = 5.0,
     leaves nothing behind. ``secret`` (text or keys; default: ``TIMELY_SECRET`` /
     ``TIMELY_SECRET_FILE``, else none) is the job's: an endpoint with a secret answers only its
     holders. Raises :class:`EndpointError` if the endpoint cannot be reached or did not answer
-    within ``timeout`` seconds (as when the secrets differ).
+    within ``timeout`` seconds (as when the secrets differ), :class:`ValueError` if ``timeout`` is
+    not a positive, finite number.
     """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        # zmq's poll waits forever for a negative timeout: a client must never hang on a typo
+        raise ValueError(f"request to control endpoint {endpoint}: timeout must be a positive, finite "
+                         f"number of seconds, not {timeout!r}")
     keys = resolve(secret)
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)

@@ -100,6 +100,29 @@ def _row_pact(key: Any, shared: Shared) -> Pact:
     return Distribute(partition)
 
 
+def _check_chunk(chunk: Any, name: str) -> None:
+    """Raise :class:`BuildError` naming the operator unless ``chunk`` (the most state entries in one
+    state message) is an integer >= 1: a chunk of 0 cannot cut a bin, and a negative one would cut
+    a bin into no chunks at all, so the bin would be lost at its first move."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise BuildError(f"'{name}': chunk must be an integer >= 1 (state entries per state message), "
+                         f"not {chunk!r}")
+
+
+def _restored_control(control: ControlInput, name: str, table: Table) -> None:
+    """Make ``table``, restored from a checkpoint by operator ``name``, the table that ``control``
+    (and a :class:`~megaphone.Controller` on it, which defaults to ``control.initial``) starts
+    from. Every worker restores the same table (the checkpoint's, written by worker 0, or a
+    balanced one when rescaling), and every operator on one control input has received the same
+    configuration updates, so they restore the same table; raise :class:`BuildError` if not."""
+    previous = control.restored_by
+    if previous is not None and control.initial != table:
+        raise BuildError(f"'{name}': restored the routing table {list(table)} from the checkpoint, but "
+                         f"'{previous}' on the same control input '{control.name}' restored {list(control.initial)}")
+    control.initial = table
+    control.restored_by = name
+
+
 def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequence[Any], fold: Callable | None,
            k: int | None, name: str, chunk: int, per_time: PerTime | None = None, pact: RoutePact = _row_pact,
            codec: StateCodec = ROWS) -> Migratable:
@@ -116,12 +139,21 @@ def _build(streams: Sequence[Stream], control: ControlInput | Stream, keys: Sequ
         k = validate_k(k)
     except TableError as e:
         raise TableError(f"'{name}': {e}") from None
+    if isinstance(control, ControlInput) and k != control.k:
+        # The control input validates bins against its own 2^k (and a Controller plans over them):
+        # another k here would let through moves of bins this operator does not have, or never
+        # move some of its bins, and fail every worker at the first such move.
+        raise BuildError(f"'{name}': k={k} (2^{k} bins) differs from k={control.k} (2^{control.k} bins) "
+                         f"of its control input '{control.name}'; leave k out to take the control input's")
+    _check_chunk(chunk, name)
     n = len(streams)
-    initial = control.initial if isinstance(control, ControlInput) and control.k == k else None  # spare workers
+    initial = control.initial if isinstance(control, ControlInput) else None  # spare workers
     shared = Shared(name, k, scope.index, scope.peers, codec, initial)
     ck = scope.worker.checkpoint
     if ck is not None:
         shared.checkpoint = BinCheckpoint(shared, ck)  # restores this worker's bins and F's table
+        if isinstance(control, ControlInput) and shared.checkpoint.restored:
+            _restored_control(control, name, shared.config_tables[0])
     probe = ProbeHandle()
     ident = Summary.identity(1)
 

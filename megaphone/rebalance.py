@@ -16,6 +16,7 @@ endpoint could not be reached or did not answer within ``--timeout`` seconds.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -45,6 +46,28 @@ def _move(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"--move expects BIN:WORKER, not {text!r}") from None
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds (``--timeout``, ``--interval``): a
+    negative timeout would make the poll for an answer wait forever, and so would ``nan``/``inf``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, not {text!r}")
+    return value
+
+
+def _conflicting_move(moves: Sequence[tuple[int, int]]) -> str | None:
+    """The error for ``--move`` options that move one bin to two different workers, if any (the
+    same move twice is harmless)."""
+    target: dict[int, int] = {}
+    for b, w in moves:
+        if target.setdefault(b, w) != w:
+            return f"bin {b} is moved to both worker {target[b]} and worker {w}"
+    return None
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m megaphone.rebalance``."""
     p = argparse.ArgumentParser(prog="python -m megaphone.rebalance",
@@ -58,9 +81,11 @@ def parser() -> argparse.ArgumentParser:
                    help="migration strategy (default: batched)")
     p.add_argument("--status", action="store_true",
                    help="print the routing table and migration status (after the migration, if one is requested)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")
+    p.add_argument("--timeout", type=_seconds, default=5.0,
+                   help="seconds to wait for each answer (default 5)")
     p.add_argument("--no-wait", action="store_true", help="submit the request and exit without following it")
-    p.add_argument("--interval", type=float, default=0.1, help="seconds between status polls (default 0.1)")
+    p.add_argument("--interval", type=_seconds, default=0.1,
+                   help="seconds between status polls (default 0.1)")
     p.add_argument("--secret-file", metavar="FILE",
                    help="the job secret, if the job has one (default: $TIMELY_SECRET, then $TIMELY_SECRET_FILE)")
     return p
@@ -135,6 +160,9 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
     elif args.balanced:
         req["balanced"] = True
     elif args.move:
+        conflict = _conflicting_move(args.move)
+        if conflict is not None:
+            cli.error(f"--move: {conflict}")  # exits with status 2
         req["moves"] = [list(m) for m in args.move]
     else:
         req = {}

@@ -392,6 +392,33 @@ def test_few_changed_keys_go_as_deltas_that_restore_and_rescale():
     assert out == whole
 
 
+@pytest.mark.timeout(120)
+def test_a_bin_changed_only_off_its_turn_is_written_whole_before_its_chain_is_full():
+    """Bin 0 of 2 (period 2: its turn is every even checkpoint) changes at even times only, so
+    with a checkpoint every epoch it is dirty at odd checkpoints only, never at its turn. Its
+    delta chain must still stay under the period (written whole once it would be full): else it
+    outgrows the MAX_DELTAS slots that a restore reads, and the restore silently loses the
+    newest deltas. The restored run continues to the uninterrupted output."""
+    from megaphone.checkpoint import MAX_DELTAS
+
+    k, n, stop = 1, 92, 75
+    keys0 = [x for x in range(200) if routing.bins_of([(x, 0)], 0, k)[0] == 0][:8]
+    epochs: list[list] = [[(x, 1) for x in keys0]]
+    epochs += [[(keys0[(t // 2) % 8], 1)] if t % 2 == 0 else [] for t in range(1, n)]
+    assert (stop - 1) // 2 > MAX_DELTAS  # enough off-turn changes to overflow the slots before the fix
+    first = run(job(epochs[:stop], {}, k, count_sm, every=1), 1)
+    offers = [r[1] for r in first]
+    ck = commit(None, offers, 1, stop)
+    assert ck.epoch == stop - 1
+    assert any("/d" in key for _, ch, _ in offers[0]["megaphone/Counts"] for key in written(ch))  # deltas written
+    assert decode_counts(ck, "megaphone/Counts") == sequential_counts(epochs, ck.epoch)
+    whole = outputs(run(job(epochs, {}, k, count_sm, every=1), 1), since=ck.epoch)
+    restored = outputs(run(job(epochs, {}, k, count_sm, ck.epoch, ck, every=1), 1), since=ck.epoch)
+    assert restored == whole, "the restore lost deltas of bin 0"
+    slots = [int(key.split("/d")[1]) for key in ck.blobs["megaphone/Counts"] if "/d" in key]
+    assert all(slot < min(MAX_DELTAS, 1 << k) - 1 for slot in slots), sorted(slots)
+
+
 def to_batch(recs) -> pa.RecordBatch:
     return pa.RecordBatch.from_pylist([{"key": key, "v": v} for key, v in recs], schema=SCHEMA)
 
@@ -421,6 +448,78 @@ def test_columnar_aggregate_rescales_through_checkpoints():
     assert ck.epoch == 4
     second = run(job(epochs, {}, k, running_aggregate, ck.epoch, ck), 3)
     assert rows_of(first, before=4) + rows_of(second, since=4) == whole
+
+
+def controller_job(ck: Checkpoint, k: int, target: tuple, spare: int | None = None):
+    """Restores ``ck`` (its ``ControlInput`` with ``workers=spare``); worker 0 then creates a
+    :class:`megaphone.Controller` (default table) and rebalances to ``target`` over three epochs.
+    Each worker returns its control input's ``initial``, its operator's table, and on worker 0 the
+    controller's table at the start, its steps and its table at the end."""
+
+    def main(worker):
+        worker.checkpoint = FakeCheckpointer(EVERY, ck.manifest(), ck.blobs)
+        with worker.dataflow() as scope:
+            data = scope.new_input()
+            control = megaphone.ControlInput(scope, k=k, workers=spare)
+            m = count_sm(data.stream, control)
+        data.advance_to(ck.epoch)
+        control.advance_to(ck.epoch)
+        out = {"initial": control.initial, "operator_start": m.routing_table()}
+        ctl = megaphone.Controller(control, m.probe) if worker.index == 0 else None
+        if ctl is not None:
+            out["controller_start"] = ctl.current_table
+            mid = ctl.rebalance(target, "batched")
+            out["steps"] = len([e for e in ctl.events if e.migration == mid])
+        e = ck.epoch
+        for _ in range(3):
+            data.advance_to(e + 1)
+            control.advance_to(e + 1)
+            if ctl is not None:
+                ctl.tick()
+            worker.step_while(lambda: m.probe.less_than(e + 1), timeout=STEP_TIMEOUT)
+            e += 1
+        data.close()
+        control.close()
+        worker.finish()
+        out["operator_end"] = m.routing_table()
+        if ctl is not None:
+            out["controller_end"] = ctl.current_table
+        return out
+
+    return main
+
+
+@pytest.mark.timeout(120)
+def test_a_controller_starts_from_the_restored_table():
+    """2 workers move every bin to worker 1, checkpoint, restart on 2: the operators restore the
+    table (1, 1, 1, 1), and so must a Controller created after them (its default table is the
+    control input's ``initial``); its rebalance to the balanced table then moves the bins back."""
+    k, n = 2, 6
+    epochs = [[(i, 1) for i in range(8)] for _ in range(n)]
+    first = run(job(epochs, {1: {0: 1, 2: 1}}, k, count_sm), 2)
+    ck = commit(None, [r[1] for r in first], 2, n)
+    assert ck.meta[0]["megaphone/Counts"]["table"] == [1, 1, 1, 1]
+    res = run(controller_job(ck, k, balanced(4, 2)), 2)
+    assert res[0]["operator_start"] == res[0]["controller_start"] == (1, 1, 1, 1)
+    assert [r["initial"] for r in res] == [(1, 1, 1, 1)] * 2  # every worker agrees
+    assert res[0]["steps"] > 0
+    assert [r["operator_end"] for r in res] == [res[0]["controller_end"]] * 2 == [balanced(4, 2)] * 2
+
+
+@pytest.mark.timeout(120)
+def test_a_controller_with_spare_workers_starts_from_the_rescaled_table():
+    """1 worker, checkpoint, restart on 2 with ``ControlInput(workers=1)``: the restore spreads the
+    bins over both workers (rescaling: a balanced table), and the controller starts from that,
+    not from the spare-worker table that puts every bin on worker 0."""
+    k, n = 2, 6
+    epochs = [[(i, 1) for i in range(8)] for _ in range(n)]
+    first = run(job(epochs, {}, k, count_sm), 1)
+    ck = commit(None, [r[1] for r in first], 1, n)
+    res = run(controller_job(ck, k, (0, 0, 0, 0), spare=1), 2)
+    assert res[0]["operator_start"] == res[0]["controller_start"] == balanced(4, 2)
+    assert [r["initial"] for r in res] == [balanced(4, 2)] * 2
+    assert res[0]["steps"] > 0
+    assert [r["operator_end"] for r in res] == [res[0]["controller_end"]] * 2 == [(0, 0, 0, 0)] * 2
 
 
 class FakeCap:

@@ -229,3 +229,36 @@ def test_cli_against_a_live_two_worker_job():
     assert observed_count([o for r in results for o in r["outputs"]]) == sequential_count(sent)
     assert all(list(norm(r["table"])) == list(goal) for r in results)
     assert all(goal[b] == w for w, r in enumerate(results) for b in r["owned"])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("option", ["--timeout", "--interval"])
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon"])
+def test_cli_refuses_a_timeout_or_interval_that_is_not_positive_and_finite(option, value, capsys):
+    """A usage error (status 2) naming the option: a negative --timeout used to wait forever for
+    the answer (zmq's poll with a negative timeout), 0 or nan failed later or polled without pause."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    other = ["--interval", "0.1"] if option == "--timeout" else ["--timeout", "0.2"]
+    with pytest.raises(SystemExit) as e:
+        cli_main(["--endpoint", endpoint, "--status", option, value, *other])
+    assert e.value.code == 2
+    assert f"argument {option}: expected a positive, finite number of seconds, not {value!r}" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_request_refuses_a_timeout_that_would_wait_forever():
+    for timeout in (-1, 0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds"):
+            request(f"tcp://127.0.0.1:{free_port()}", {"op": "table"}, timeout=timeout)
+
+
+@pytest.mark.timeout(30)
+def test_cli_refuses_one_bin_moved_to_two_workers(capsys):
+    """--move 3:0 --move 3:1 is a usage error (it was sent, and the last move won); the same move
+    twice is still sent (here: to no job, so status 3)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as e:
+        cli_main(["--endpoint", endpoint, "--move", "3:0", "--move", "3:1", "--timeout", "0.2"])
+    assert e.value.code == 2
+    assert "--move: bin 3 is moved to both worker 0 and worker 1" in capsys.readouterr().err
+    assert cli_main(["--endpoint", endpoint, "--move", "3:1", "--move", "3:1", "--timeout", "0.2"]) == 3

@@ -300,3 +300,35 @@ def test_random_frames_never_hurt_the_job(monkeypatch):
     assert observed_count([o for r in results for o in r["outputs"]]) == sequential_count(results[0]["sent"])
     assert all(list(norm(r["table"])) == list(goal) for r in results)
     assert results[0]["dropped"] > 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("req, error", [
+    ({"op": "rebalance", "moves": [[3, 0], [3, 1]]}, "bin 3 is moved to both worker 0 and worker 1"),
+    ({"op": "rebalance", "moves": {"3": 2, 3: 0}}, "bin 3 is moved to both worker 2 and worker 0"),
+    ({"op": "status", "since": "--1"}, "since '--1' is not an integer"),
+    ({"op": "rebalance", "moves": [["²", 1]]}, "bin '²' is not an integer"),
+    ({"op": "rebalance", "table": ["0", "1", "--2", "0", "1", "2", "0", "1"]}, "worker '--2' is not an integer"),
+])
+def test_endpoint_refuses_conflicting_moves_and_strings_that_only_look_like_integers(fake_endpoint, req, error):
+    """A bin moved to two different workers in one request is refused (it was: the last one won);
+    a string that passes ``isdigit`` but not ``int`` ("--1", "²") is refused naming the field and
+    the value (it was: an internal error). Nothing is queued. (msgpack only: JSON has no int keys.)"""
+    ctl, ep, control, probe = fake_endpoint
+    before = (ctl.planned_table, len(ctl.events))
+    r = ask_msgpack(ctl, ep, req)
+    assert r == {"ok": False, "error": error}
+    assert (ctl.planned_table, len(ctl.events)) == before and control.sent == []
+
+
+@pytest.mark.timeout(30)
+def test_endpoint_and_dashboard_accept_the_same_move_twice_and_refuse_two_targets(fake_endpoint):
+    from megaphone.autobalance import Steering
+
+    ctl, ep, control, probe = fake_endpoint
+    r = ask_json(ctl, ep, {"op": "rebalance", "moves": [[3, 1], [3, 1]]})
+    assert r["ok"] and r["moves"] == 1
+    steering = Steering(ctl)
+    with pytest.raises(ValueError, match="bin 5 is moved to both worker 0 and worker 1"):
+        steering.rebalance({"moves": [[5, 0], [5, 1]]})
+    assert steering.rebalance({"moves": [[5, 0], [5, 0]]})["moves"] == 1

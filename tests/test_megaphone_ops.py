@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+import pyarrow as pa
 import pytest
 from conftest import norm, property_on_workers, run
 from hypothesis import strategies as st
 from megaphone_jobs import STEP_TIMEOUT
 
 import megaphone
+from timely import BuildError, columnar
 
 keys = st.integers(0, 40)
 records = st.lists(st.tuples(keys, st.integers(1, 5)), max_size=25)
@@ -319,3 +321,60 @@ def test_bin_state_stays_tracked_through_full_collections(workers):
     for _, state in results:
         merged.update(state)
     assert merged == {key: 3 for key in range(200)}
+
+
+def build_only(build, control_k: int = 3):
+    """A job that builds ``build(scope, stream, control)`` on a ``ControlInput`` of ``k=control_k``
+    and ends at once (every input closed)."""
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            data = scope.new_input()
+            control = megaphone.ControlInput(scope, k=control_k)
+            build(scope, data.stream, control)
+        data.close()
+        control.close()
+        worker.finish()
+
+    return main
+
+
+def fold_nothing(*args):
+    return []
+
+
+def sm_nothing(key, value, state):
+    return state, []
+
+
+BUILDERS = {
+    "unary": lambda s, st, c, **kw: megaphone.unary(st, c, 0, fold_nothing, **kw),
+    "binary": lambda s, st, c, **kw: megaphone.binary(st, st, c, 0, 0, fold_nothing, **kw),
+    "state_machine": lambda s, st, c, **kw: megaphone.state_machine(st, c, 0, sm_nothing, **kw),
+    "aggregate": lambda s, st, c, **kw: megaphone.aggregate(
+        columnar.from_batches(st, pa.schema([("key", pa.int64()), ("v", pa.int64())])), c, "key", {"v": "sum"}, **kw),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", sorted(BUILDERS))
+def test_an_operator_k_other_than_its_control_inputs_is_refused_at_build(op):
+    """The control input validates bins against its own 2^k: an operator of another k would take
+    moves of bins it does not have and fail every worker at the first; it is refused at build,
+    naming the operator and both k. The control input's own k, given or left out, builds."""
+    name = {"unary": "MegaphoneUnary", "binary": "MegaphoneBinary", "state_machine": "StateMachine",
+            "aggregate": "MegaphoneAggregate"}[op]
+    with pytest.raises(BuildError, match=rf"'{name}': k=2 \(2\^2 bins\) differs from k=3 .*'Control'"):
+        run(build_only(lambda s, st, c: BUILDERS[op](s, st, c, k=2)), 1)
+    for k in (3, None):
+        run(build_only(lambda s, st, c: BUILDERS[op](s, st, c, k=k)), 1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", sorted(BUILDERS))
+@pytest.mark.parametrize("chunk", [0, -1, True, 1.5, "2", None])
+def test_a_chunk_that_is_not_a_positive_integer_is_refused_at_build(op, chunk):
+    """``chunk`` (state entries per state message) is an integer >= 1: 0 failed the first migration
+    and -1 shipped no chunk of a moving bin, losing it. Refused at build, naming the operator."""
+    with pytest.raises(BuildError, match=rf"'\w+': chunk must be an integer >= 1 .*not {chunk!r}"):
+        run(build_only(lambda s, st, c: BUILDERS[op](s, st, c, chunk=chunk)), 1)
