@@ -193,3 +193,41 @@ def test_migration_figures_reach_the_endpoint(tmp_path, monkeypatch):
     assert steps >= 1 and samples["megaphone_controller_steps_completed", "0"] == steps
     assert samples["megaphone_controller_migrations", "0"] == 1
     assert installs0 >= 1 and samples["megaphone_migration_installs_total", "0"] == installs0
+
+
+def test_dataflows_of_one_name_are_counted_apart_and_each_once():
+    """Two dataflows named alike are two metrics dataflows (the second numbered), with their own
+    counts; and a report taken while the worker retires a completed dataflow counts it once."""
+    import threading
+
+    from timely.metrics.core import WorkerMetrics
+
+    snapshots: list[list] = []
+    retire = WorkerMetrics.retire
+
+    def retire_with_a_report_meanwhile(self, dataflows):
+        retire(self, dataflows)
+        reporter = threading.Thread(target=lambda: snapshots.append(self.operators()))
+        reporter.start()
+        reporter.join(0.2)  # a report while the worker is between its two lists (it waits for the lock)
+
+    def main(worker):
+        for n in (3, 5):
+            with worker.dataflow("counts") as scope:
+                inp = scope.new_input()
+                inp.stream.map(lambda x: x).probe()
+            inp.send_batch(list(range(n)))
+            inp.close()
+            worker.step_while(worker.has_dataflows, timeout=10)
+        return worker.metrics.operators()
+
+    WorkerMetrics.retire = retire_with_a_report_meanwhile
+    try:
+        (rows,) = timely.execute(main, workers=1)
+    finally:
+        WorkerMetrics.retire = retire
+    maps = {r[0]: r[3] for r in rows if r[2].startswith("Map")}
+    assert maps == {"counts": 3, "counts #2": 5}
+    for snapshot in snapshots:
+        keys = [(r[0], r[1]) for r in snapshot]
+        assert len(keys) == len(set(keys)), snapshot

@@ -54,6 +54,7 @@ class Worker:
         self._open_inputs: list[InputHandle] = []
         self.fuzz = fuzz  # seed of the schedule fuzzer (timely.dataflow.fuzz); None: no fuzzing
         self._built = 0  # dataflows built so far (each fuzzes with its own generator)
+        self._labels: set[str] = set()  # the metrics labels of the dataflows built (Dataflow.label)
         # The stuck-operator watchdog (timely.watchdog): started here, stopped by close().
         self.watchdog: Watchdog | None = None
         if watchdog is not None:
@@ -110,6 +111,14 @@ class Worker:
         fuzzer = None if self.fuzz is None else Fuzzer(self.fuzz, self.index, self._built)
         df = Dataflow(self, name or f"dataflow {self._built}", fuzzer)
         self._built += 1
+        # The dataflow's name in metrics: its name, numbered when an earlier dataflow of this worker
+        # had it (every worker builds the same dataflows in the same order, so all agree).
+        label, n = df.name, 1
+        while label in self._labels:
+            n += 1
+            label = f"{df.name} #{n}"
+        self._labels.add(label)
+        df.label = label
         self._building = df
         try:
             yield Scope(df)
@@ -144,8 +153,9 @@ class Worker:
             did = df.step(events) or did
         alloc.release()
         if any(df.complete() for df in self._dataflows):
-            self.metrics.retire([df for df in self._dataflows if df.complete()])  # their final counts
-            self._dataflows = [df for df in self._dataflows if not df.complete()]
+            with self.metrics.lock:  # (a report reads both lists)
+                self.metrics.retire([df for df in self._dataflows if df.complete()])  # their final counts
+                self._dataflows = [df for df in self._dataflows if not df.complete()]
             # A closed input needs no closing by finish(): holding it would keep its completed
             # dataflow (operators, their state) alive for as long as main runs.
             self._open_inputs = [h for h in self._open_inputs if not h.closed]

@@ -47,6 +47,8 @@ class Dataflow:
     def __init__(self, worker: Worker, name: str, fuzzer: Fuzzer | None = None) -> None:
         self.worker = worker
         self.name = name
+        #: The dataflow's name in metrics, unique on its worker (the worker numbers repeated names).
+        self.label = name
         self.index = worker.index
         self.peers = worker.peers
         self.ctx = Context(worker.index, worker.peers, fuzzer)

@@ -113,6 +113,9 @@ class WorkerMetrics:
         self._links = getattr(worker.allocator, "_links", None)
         self.lags: list[LagProbe] = []
         self.retired: list[list[Any]] = []  # the final rows of the dataflows that completed
+        #: Held while the worker moves completed dataflows from its list to :attr:`retired`, and
+        #: while a report reads both (invariant: a report sees each dataflow's rows exactly once).
+        self.lock = threading.Lock()
         self.hub: Any = None  # worker 0 with a configuration: the Hub gathering every worker's snapshots
         self.reporter: Any = None
         self.servers: list[Any] = []  # closed with the worker (the Prometheus endpoint, the dashboard)
@@ -158,7 +161,7 @@ class WorkerMetrics:
         rows = []
         for df in dataflows:
             for op in list(getattr(df, "operators", ())):
-                rows.append([df.name, op.index, op.name, op.records_in, op.records_out, op.busy_seconds,
+                rows.append([df.label, op.index, op.name, op.records_in, op.records_out, op.busy_seconds,
                              op.activations])
         return rows
 
@@ -168,16 +171,20 @@ class WorkerMetrics:
         for df in list(getattr(self.worker, "_dataflows", ())):
             ops = list(getattr(df, "operators", ()))
             edges = sorted({(op.index, target.node) for op in ops for port in op.outputs for _, target in port.channels})
-            out[df.name] = {"nodes": [[op.index, op.name] for op in ops], "edges": [list(e) for e in edges]}
+            out[df.label] = {"nodes": [[op.index, op.name] for op in ops], "edges": [list(e) for e in edges]}
         return out
 
     def retire(self, dataflows: list[Any]) -> None:
-        """Keep the final counts of ``dataflows``, which have completed (the worker lets them go)."""
+        """Keep the final counts of ``dataflows``, which have completed (the worker lets them go,
+        holding :attr:`lock` for both)."""
         self.retired.extend(self.rows(dataflows))
 
     def operators(self) -> list[list[Any]]:
-        """The rows (:meth:`rows`) of every dataflow of the worker, completed ones included."""
-        return self.retired + self.rows(list(getattr(self.worker, "_dataflows", ())))
+        """The rows (:meth:`rows`) of every dataflow of the worker, completed ones included, each
+        dataflow once."""
+        with self.lock:
+            live = list(getattr(self.worker, "_dataflows", ()))
+            return self.retired + self.rows(live)
 
     def snapshot(self) -> dict[str, Any]:
         """Every counter of this worker now (cumulative), as a msgpack-friendly dict."""
