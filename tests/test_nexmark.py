@@ -66,7 +66,8 @@ def test_generator_is_deterministic_and_split_by_event_number(backend):
 
 @pytest.mark.timeout(60)
 def test_native_and_numpy_generators_agree():
-    for config in (Config(rate=1_000_000), Config(rate=50_000, time_dilation=79, seed=-5, in_flight_auctions=7)):
+    for config in (Config(rate=1_000_000), Config(rate=50_000, time_dilation=79, seed=-5, in_flight_auctions=7),
+                   Config(seed=2**63 + 11), Config(seed=2**64 + 3), Config(seed=-(2**63) - 1)):  # any seed: its low 64 bits
         assert Generator(config, backend="native").events(0, 200_000) == \
             Generator(config, backend="numpy").events(0, 200_000)
         for peers in (2, 3):
