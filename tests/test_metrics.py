@@ -231,3 +231,34 @@ def test_dataflows_of_one_name_are_counted_apart_and_each_once():
     for snapshot in snapshots:
         keys = [(r[0], r[1]) for r in snapshot]
         assert len(keys) == len(set(keys)), snapshot
+
+
+def test_a_bin_counter_keeps_one_series_across_a_migration():
+    """``megaphone_bin_records_total`` is one series per bin whatever worker holds it, so it never
+    vanishes or falls at a migration; the owner is the gauge ``megaphone_bin_owner``."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from timely.metrics.prometheus import HubCollector
+
+    class Hub:  # the hub's view before and after bin 1 moved from worker 0 to worker 1
+        views = [{"records": [5, 7], "owner": [0, 0]}, {"records": [5, 9], "owner": [0, 1]}]
+
+        def view(self):
+            agg = self.views.pop(0)
+            bins = {"Count": {**agg, "records_per_s": [0.0, 0.0], "state": [1, 1], "workers": {}, "reports": {}}}
+            return {"operators": [], "workers": [], "lags": [], "counters": [], "bins": bins}
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(HubCollector(Hub()))
+    scrapes = []
+    for _ in range(2):
+        text = generate_latest(registry).decode()
+        scrapes.append({(s.name, tuple(sorted(s.labels.items()))): s.value
+                        for fam in text_string_to_metric_families(text) for s in fam.samples})
+    series = [{k: v for k, v in scrape.items() if k[0] == "megaphone_bin_records_total"} for scrape in scrapes]
+    assert set(series[0]) == set(series[1]) == {("megaphone_bin_records_total", (("bin", b), ("operator", "Count")))
+                                                 for b in ("0", "1")}
+    bin1 = ("megaphone_bin_records_total", (("bin", "1"), ("operator", "Count")))
+    assert (series[0][bin1], series[1][bin1]) == (7, 9)
+    owner1 = ("megaphone_bin_owner", (("bin", "1"), ("operator", "Count")))
+    assert (scrapes[0][owner1], scrapes[1][owner1]) == (0, 1)

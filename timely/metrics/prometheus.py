@@ -104,17 +104,22 @@ class HubCollector(Collector):
         yield from (frontier, lag)
 
     def _bins(self, view: dict) -> Iterator[Any]:
-        labels = ["operator", "bin", "worker"]
+        labels = ["operator", "bin", "worker"]  # worker: the bin's owner now
         rate = GaugeMetricFamily("megaphone_bin_records_per_second", "Records applied per bin per second", labels=labels)
-        total = CounterMetricFamily("megaphone_bin_records", "Records applied per bin", labels=labels)
         state = GaugeMetricFamily("megaphone_bin_state_entries", "State entries held per bin", labels=labels)
+        # A counter keeps one series whatever worker owns the bin (invariant: a series of a counter
+        # never decreases nor vanishes at a migration); the owner is a gauge of its own.
+        total = CounterMetricFamily("megaphone_bin_records", "Records applied per bin, by every worker",
+                                    labels=["operator", "bin"])
+        owners = GaugeMetricFamily("megaphone_bin_owner", "The worker that holds the bin", labels=["operator", "bin"])
         counters: dict[str, Any] = {}
         for name, agg in view["bins"].items():
             for b, owner in enumerate(agg["owner"]):
                 label = [name, str(b), str(owner)]
                 rate.add_metric(label, agg["records_per_s"][b])
-                total.add_metric(label, agg["records"][b])
                 state.add_metric(label, agg["state"][b])
+                total.add_metric([name, str(b)], agg["records"][b])
+                owners.add_metric([name, str(b)], owner)
             for w, cs in agg["workers"].items():
                 for key, value in cs.items():
                     fam = counters.get(key)
@@ -123,7 +128,7 @@ class HubCollector(Collector):
                                                                   f"Migration {key.replace('_', ' ')} on this worker",
                                                                   labels=["operator", "worker"])
                     fam.add_metric([name, str(w)], value)
-        yield from (rate, total, state, *counters.values())
+        yield from (rate, total, state, owners, *counters.values())
 
 
 class PrometheusServer:
