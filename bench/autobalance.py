@@ -148,8 +148,11 @@ def summarise(result: Any, shift_at: float, epoch_s: float, mode: str) -> dict[s
         if sel.any():
             out[f"p50_{name}_ms"] = float(np.percentile(lat[sel], 50) * 1000)
             out[f"p99_{name}_ms"] = float(np.percentile(lat[sel], 99) * 1000)
-            span = (done[sel].max() - done[sel].min()) or epoch_s
-            out[f"rate_{name}"] = float(sel.sum() * records / span)
+            # Throughput: the phase's records over the time from its first record's due time (its
+            # first epoch's start) to its last completion (not the spread of its completions, which
+            # is near zero where one frontier move completes a backlog of epochs at once).
+            span = done[sel].max() - (start + t[sel].min())
+            out[f"rate_{name}"] = float(sel.sum() * records / max(span, epoch_s))
     if mode == "auto":
         out["detect_s"] = decided[0] - shift if decided else float("nan")
         out["converge_s"] = completed[-1] - shift if completed and completed[-1] is not None else float("nan")

@@ -233,15 +233,21 @@ def main(argv: list[str] | None = None) -> None:
     plan += [(f"NEXMark {q.upper()}", w, nexmark_paths(opts, q, w)) for q in ("q1", "q2") if q in opts.workloads
              for w in opts.workers]
     for workload, workers, paths in plan:
-        row_rate = None
-        for label, once in paths:
-            runs = []
-            for _ in range(opts.runs):
+        got: dict[str, list] = {label: [] for label, _ in paths}
+        missing: set[str] = set()
+        for _ in range(opts.runs):
+            for label, once in paths:  # alternating: a drift of the machine's load falls on every path
+                if label in missing:
+                    continue
                 fig = once()
                 if fig is None:
-                    break
-                runs.append(fig)
+                    missing.add(label)
+                    continue
+                got[label].append(fig)
                 time.sleep(0.5)  # let the previous run's processes go
+        row_rate = None
+        for label, _ in paths:
+            runs = got[label]
             if not runs:
                 print(f"{workload:<12} {workers:>7} {label:<20} skipped: not installed", flush=True)
                 continue

@@ -96,6 +96,7 @@ def run_latency(workload: str, workers: int, rate: int, duration: float,
     and the CPU-seconds a worker spends per round (an epoch, or several where the workers fell
     behind): the cost that bounds how short epochs can be with a core per worker."""
     from nexmark.driver import Spec, run
+    from nexmark.metrics import QUANTILES
     from nexmark.report import summarise
 
     query, _, flex = workload.partition("-")
@@ -103,7 +104,8 @@ def run_latency(workload: str, workers: int, rate: int, duration: float,
                 progress=False, progress_mode=progress)
     results = run(spec, start="spawn", timeout=duration + 600)
     s = summarise(workload, spec, results)
-    return s.overall[0], s.overall[2], sum(r["cpu"] for r in results) / max(1, sum(r["rounds"] for r in results))
+    p50, p99 = s.overall[QUANTILES.index(0.5)], s.overall[QUANTILES.index(0.99)]
+    return p50, p99, sum(r["cpu"] for r in results) / max(1, sum(r["rounds"] for r in results))
 
 
 def _control_job(_: int) -> float:

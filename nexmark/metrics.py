@@ -39,8 +39,9 @@ def bucket_value(i: int | np.ndarray) -> float | np.ndarray:
 
 
 class Timeline:
-    """Latency histograms: overall (with a warm-up and cool-down cut) and per :data:`INTERVAL` of
-    scheduled time, over ``duration`` seconds."""
+    """Latency histograms: overall, over the records scheduled in ``[lo, hi)`` (a warm-up and a
+    cool-down cut, ``warmup`` and ``cooldown`` seconds but at most a quarter of the run each), and
+    per :data:`INTERVAL` of scheduled time, over ``duration`` seconds."""
 
     def __init__(self, duration: float, warmup: float = 2.0, cooldown: float = 2.0) -> None:
         self.duration = duration

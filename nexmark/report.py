@@ -74,8 +74,10 @@ def summarise(label: str, spec: Any, results: list[dict]) -> Summary:
 
 
 def migration_metrics(s: Summary) -> dict[int, dict[str, Any]]:
-    """Steps, duration (first issue to last completion) and the maximum latency of the records
-    scheduled meanwhile, per migration."""
+    """Steps, duration (first issue to last completion) and latency around it, per migration:
+    ``max_latency`` is the maximum and ``p99_latency`` the worst p99 of the timeline's 250 ms
+    buckets of scheduled time that begin from one bucket before the first issue to one bucket
+    after the last completion (so records scheduled up to 0.25 s before and 0.5 s after count)."""
     by_mig: dict[int, list[dict]] = {}
     for st in s.steps:
         by_mig.setdefault(st["migration"], []).append(st)
