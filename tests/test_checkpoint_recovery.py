@@ -376,3 +376,44 @@ def test_a_checkpoint_error_inside_an_operator_is_not_retried():
     assert not retryable(failed("timely.checkpoint.store.CheckpointError: corrupt manifest", None))
     assert retryable(failed("OperatorError: worker 0: operator 'Map' failed: ValueError(...)", ValueError("x")))
     assert retryable(Outcome(0, status="killed", signal=9))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("source_on", [0, 1])
+def test_a_worker_whose_inputs_ended_holds_no_checkpoint_back(tmp_path, source_on):
+    """A replayable source with records on one worker only: the other worker's participant closes
+    at once, and its final marker lets checkpoints commit while the job runs (they waited for that
+    worker until the job ended). Worker 0 may be either one: it still checks for commits."""
+    ck = str(tmp_path / "ck")
+
+    def read(epoch, index, peers):
+        if index != source_on or epoch >= 40:
+            return None
+        time.sleep(0.02)
+        return [epoch]
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            checkpoint.source(scope, "a", read).map(lambda r: r)
+        seen = set()
+        while worker.step_or_park(0.01):
+            if worker.index == 0:
+                m = Store(ck, JOB).latest()
+                if m is not None:
+                    seen.add(m.epoch)
+        return sorted(seen)
+
+    during = timely.execute(main, workers=2, checkpoint=ck, checkpoint_every=5, timeout=100)[0]
+    assert during and min(during) < 35, during  # committed while the source ran, not only at its end
+
+
+def test_a_participant_registered_after_the_worker_went_final_is_refused(tmp_path):
+    def main(worker):
+        with worker.dataflow() as scope:
+            checkpoint.source(scope, "a", lambda epoch, index, peers: None).map(lambda r: r)
+        worker.step_while(worker.has_dataflows, timeout=20)  # its only participant closed: final
+        with worker.dataflow() as scope:
+            checkpoint.source(scope, "b", lambda epoch, index, peers: None)
+
+    with pytest.raises(CheckpointError, match="participant 'source/b' registered on worker 0 after every earlier participant"):
+        timely.execute(main, workers=1, checkpoint=str(tmp_path / "ck"), checkpoint_every=5)

@@ -154,6 +154,9 @@ class Checkpointer:
         self._reached_lock = threading.Lock()
         self._commit_busy = False
         self._next_poll = 0.0
+        #: Every participant of this worker has closed, and its final reached marker is queued: its
+        #: state changes no more, and it holds no commit back (a worker whose inputs ended first).
+        self._final = False
         self._delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
         self._stats = {"parts": 0, "bytes": 0, "write_s": 0.0, "write_max_s": 0.0, "offer_block_s": 0.0,
                        "offer_block_max_s": 0.0, "commits": 0, "write_cpu_s": 0.0, "commit_cpu_s": 0.0}
@@ -178,6 +181,11 @@ class Checkpointer:
         worker). Restarting from a checkpoint whose workers registered other names is refused."""
         if name in self._participants:
             raise CheckpointError(f"checkpoint participant '{name}' registered twice")
+        if self._final:
+            raise CheckpointError(
+                f"checkpoint participant '{name}' registered on worker {self.index} after every earlier participant "
+                "had closed, which declared the worker's state final; checkpoints cover the dataflows built "
+                "before the first one's inputs end")
         m = self.manifest
         if m is not None:
             known = set().union(*(set(v) - {_OWN} for v in m.meta.values() if isinstance(v, dict)))
@@ -216,7 +224,8 @@ class Checkpointer:
         at most every :data:`POLL` seconds. Never blocks."""
         if self._error is not None:
             raise self._error
-        if self.index != 0 or self._commit_busy or self._handed <= self._committed:
+        # (worker 0 final: the others' epochs still commit, though its own no longer move)
+        if self.index != 0 or self._commit_busy or self._handed <= self._committed and not self._final:
             return
         now = time.monotonic()
         if now < self._next_poll:
@@ -293,6 +302,12 @@ class Checkpointer:
             blocked = time.monotonic() - began
             self._stats["offer_block_s"] += blocked
             self._stats["offer_block_max_s"] = max(self._stats["offer_block_max_s"], blocked)
+        if not live and self._participants and not self._final and not final:
+            # Every participant closed and every offer is handed: this worker's state changes no
+            # more. A final reached marker (after its parts, in queue order) lets the other
+            # workers' epochs commit; otherwise they would wait for this worker until the job ends.
+            self._final = True
+            self._queue.put(functools.partial(self.store.write_reached, self.index, self._handed, True))
 
     def _writer(self) -> None:
         """The background thread: run queued writes and commit checks, one at a time, in order."""
