@@ -18,6 +18,7 @@ stage that cannot start would otherwise wait), and listens for the tasks' events
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import re
@@ -75,6 +76,19 @@ def submit(spark: Any, job: str, workers: int, args: Sequence[str] = (), *, chec
         raise ValueError(f"workers must be at least 1, not {workers}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    # Every option the tasks use is checked here, on the driver: a bad one found in a task fails
+    # every run Spark makes of the stage, and reaches the user as Spark's error, not this one.
+    for name, seconds in (("startup_timeout", startup_timeout), ("heartbeat_timeout", heartbeat_timeout)):
+        if not 0 < seconds < math.inf:
+            raise ValueError(f"{name} must be a positive number of seconds, not {seconds!r}")
+    if isinstance(coordinator_port, bool) or not isinstance(coordinator_port, int) or not 0 <= coordinator_port <= 65535:
+        raise ValueError(f"coordinator_port must be a port number (0: a free one), not {coordinator_port!r}")
+    if checkpoint is not None:
+        from timely.checkpoint import CheckpointConfig
+
+        CheckpointConfig(checkpoint, checkpoint_every)  # (ValueError naming a bad checkpoint_every)
+    if publish is not None:
+        _check_publish(publish)
     check_job(job)
     with open(job, "rb") as f:
         source = f.read()
@@ -173,6 +187,10 @@ class BarrierJob:
         sc = SparkContext._active_spark_context
         if sc is not None:
             sc.cancelJobGroup(self.group)
+        if self._thread is not None:
+            self._thread.join(5.0)  # (the stage's end: its tasks' last events are in)
+        if self._link is not None and self.done():
+            self._link.close()  # the listener's socket and thread (result() closes it otherwise)
 
     def result(self, timeout: float | None = None) -> list[Any]:
         """Wait for the job (at most ``timeout`` seconds: then :class:`TimeoutError`, the job goes
@@ -204,7 +222,11 @@ class BarrierJob:
     def _spark_failure(self, error: BaseException) -> BaseException:
         """The error to raise for a stage Spark gave up on: the last run's failing worker when the
         tasks told us, else Spark's own error."""
-        verdicts = [e for e in self.events() if e.get("kind") == "verdict" and e.get("decision") == "retry"]
+        # Only the last run's verdict tells why Spark gave up: an earlier run's worker may have
+        # failed otherwise than the last run's tasks (which may have failed before any verdict).
+        last = self._runs[-1] if self._runs else None
+        verdicts = [e for e in self.events() if e.get("kind") == "verdict" and e.get("decision") == "retry"
+                    and e.get("run") == last]
         if not verdicts:
             return error
         m = re.match(r"worker (\d+)", str(verdicts[-1].get("message", "")))
@@ -213,6 +235,25 @@ class BarrierJob:
                           f"stage (spark.stage.maxConsecutiveAttempts); Spark's error: {str(error).splitlines()[0]}")
         err.__cause__ = error
         return err
+
+
+def _check_publish(url: str) -> None:
+    """Raise ValueError unless the coordinator's endpoint can be written to ``url``: a known fsspec
+    protocol, and for a local path a parent that is (or can become) a directory. (Checked on the
+    driver; the task that writes it may run on another host, which this cannot see.)"""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except (ValueError, ImportError) as e:
+        raise ValueError(f"publish: cannot write to {url!r}: {e}") from None
+    if isinstance(fs, LocalFileSystem):
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ValueError(f"publish: cannot write to {url!r}: {parent} is not a directory")
 
 
 def _outcome(answer: dict) -> Outcome:

@@ -121,6 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TimeoutError as e:
         sys.stderr.write(f"spark_bridge.launch: timeout: {e}\n")
         return 1
+    except Exception as e:  # Spark's own failure of the stage (its first line; the log has the rest)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        sys.stderr.write(f"spark_bridge.launch: the barrier stage failed: {type(e).__name__}: {first}\n")
+        return 1
     except KeyboardInterrupt:
         if job is not None:
             job.cancel()  # Spark kills the tasks, and the timely workers die with them

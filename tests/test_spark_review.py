@@ -16,6 +16,7 @@ from sparkjob import ThreadJob  # noqa: E402
 from test_spark_unit import SCHEMA, batch, capture_job  # noqa: E402
 
 import spark_bridge  # noqa: E402
+import timely  # noqa: E402
 from spark_bridge import client  # noqa: E402
 from spark_bridge import datasource as D  # noqa: E402
 from spark_bridge import options as O  # noqa: E402
@@ -217,3 +218,63 @@ def test_a_bad_epoch_option_names_the_option_and_the_value(name, value, minimum)
     with pytest.raises(BridgeError, match=f"option '{name}' must be an integer of at least {minimum}, not '{value}'"):
         O.integer({name: value}, name, minimum)
     assert O.integer({name: " 7 "}, name, minimum) == 7 and O.integer({}, name) is None
+
+
+# -- the barrier stage: options checked on the driver; Spark's failures reported ------------------------
+@pytest.mark.parametrize("options, message", [
+    ({"checkpoint": "ck", "checkpoint_every": 0}, "checkpoint_every must be at least 1"),
+    ({"startup_timeout": 0}, "startup_timeout must be a positive number of seconds, not 0"),
+    ({"heartbeat_timeout": float("inf")}, "heartbeat_timeout must be a positive number of seconds, not inf"),
+    ({"coordinator_port": -5}, "coordinator_port must be a port number"),
+    ({"coordinator_port": 70000}, "coordinator_port must be a port number"),
+    ({"publish": "/dev/null/endpoint"}, "publish: cannot write to '/dev/null/endpoint': /dev/null is not a directory"),
+])
+def test_barrier_options_are_checked_on_the_driver_before_any_task(tmp_path, options, message):
+    from spark_bridge.barrier import submit
+
+    job = tmp_path / "job.py"
+    job.write_text("def main(worker):\n    pass\n")
+    with pytest.raises(ValueError, match=message):
+        submit(None, str(job), 2, **options)  # (no Spark needed: refused before it is asked)
+
+
+def test_a_spark_failure_is_explained_only_by_the_last_runs_verdict():
+    from spark_bridge.barrier import BarrierJob
+
+    class Link:
+        def __init__(self, events):
+            self.events = events
+
+        def snapshot(self):
+            return list(self.events)
+
+    spark_error = RuntimeError("Job aborted due to stage failure: PythonException in publish\nmore")
+    job = BarrierJob(2, False, lambda line: None)
+    job._runs = [7, 9]
+    job._link = Link([{"kind": "verdict", "decision": "retry", "run": 7, "message": "worker 1 was killed by signal SIGKILL"}])
+    assert job._spark_failure(spark_error) is spark_error  # run 9 failed otherwise: Spark's own error
+    job._link.events.append({"kind": "verdict", "decision": "retry", "run": 9, "message": "worker 0 exited with status 3"})
+    failure = job._spark_failure(spark_error)
+    assert isinstance(failure, timely.WorkerError) and "worker 0 exited with status 3, in each of the 2 runs" in str(failure)
+
+
+def test_the_barrier_launcher_reports_sparks_own_failure_in_one_line(tmp_path, monkeypatch, capsys):
+    import spark_bridge.barrier as barrier
+    import spark_bridge.launch as launch
+
+    class Session:
+        def stop(self):
+            pass
+
+    class Failed:
+        def result(self):
+            raise RuntimeError("An error occurred while calling z:collectAndServe.\n: org.apache.spark.SparkException: ...")
+
+    monkeypatch.setattr(launch, "_session", lambda opts: Session())
+    monkeypatch.setattr(barrier, "submit", lambda *a, **k: Failed())
+    job = tmp_path / "job.py"
+    job.write_text("def main(worker):\n    pass\n")
+    assert launch.main(["-w", "2", str(job)]) == 1
+    err = capsys.readouterr().err
+    assert err == ("spark_bridge.launch: the barrier stage failed: RuntimeError: An error occurred while calling "
+                   "z:collectAndServe.\n")
