@@ -62,13 +62,12 @@ def test_offers_do_not_wait_for_the_write(tmp_path, monkeypatch):
     monkeypatch.setenv("TIMELY_CHECKPOINT_TEST_DELAY", "0.2")
     (ck,) = workers(str(tmp_path), 1)
     p = ck.register("s")
-    began = time.monotonic()
     p.offer(2, {"k": b"x" * 1000})
-    assert time.monotonic() - began < 0.1  # the write (0.2 s here) runs on the background thread
+    assert ck.stats()["parts"] == 0  # returned before the write (0.2 s here), which runs on the background thread
     ck.flush()
     stats = ck.stats()
     assert stats["parts"] == 1 and stats["bytes"] == 1000 and stats["write_max_s"] >= 0.2
-    assert stats["offer_block_max_s"] < 0.1 and stats["commits"] == 1
+    assert stats["offer_block_max_s"] < stats["write_max_s"] and stats["commits"] == 1
     ck.close()
 
 

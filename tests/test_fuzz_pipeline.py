@@ -179,4 +179,7 @@ def test_a_capture_beside_a_probe_is_complete_with_the_dataflow_not_the_probe():
 
     counts = [run(main, 1, fuzz=seed)[0] for seed in range(30)]
     assert all(complete == 15 for _, complete in counts)
-    assert any(early < 15 for early, _ in counts)
+    # A batch still held at the capture when the probe is done: rare (about 1 seed in 60), so
+    # the search goes on, lazily, beyond the seeds above.
+    early = (run(main, 1, fuzz=seed)[0] for seed in range(400))
+    assert any(when_done < 15 and complete == 15 for when_done, complete in early)

@@ -7,7 +7,8 @@ wrong on another. With ``fuzz=SEED`` (``timely.execute``, ``Worker``, ``python -
 --fuzz``), every batch delivered to an operator input passes through a :class:`Fuzzer`, which
 
 * holds it back for one or more steps (records in flight: the frontier cannot pass their time),
-* splits it at a random point into two batches,
+* splits it at a random point into two batches, and delivers either one first (so records of
+  one time arrive in any order, not only the order they were sent in),
 * releases what it holds in random order (across times too),
 * schedules random operators with nothing to do,
 * and sends a busy step's gathered records and progress at random steps (a worker may send them
@@ -79,8 +80,11 @@ class Fuzzer:
                 self.held.append((port, time, batch))
                 continue
             if len(batch) > 1 and rng.random() < SPLIT:
+                # Either part first: records of one time have no order either (the parts are copies:
+                # the batch itself may be another consumer's too).
                 cut = rng.randrange(1, len(batch))
-                self.held.append((port, time, batch[cut:]))
-                batch = batch[:cut]
+                now, later = (batch[:cut], batch[cut:]) if rng.random() < 0.5 else (batch[cut:], batch[:cut])
+                self.held.append((port, time, later))
+                batch = now
             port.queue.append((time, batch))
             port.op.activate()
