@@ -85,9 +85,15 @@ def check_state(tracker: Tracker, g: Graph, counts: dict, paths=None) -> None:
     assert got == expected, {loc: (got[loc], expected[loc]) for loc in g.locations if got[loc] != expected[loc]}
     if paths is not None:
         assert summary_oracle(g, paths, counts) == expected
-        # implication counts are those of the current pointstamp frontiers (nothing stale)
-        assert ({loc: tracker.implications[loc].counts for loc in targets(g)}
-                == expected_implication_counts(tracker, g, paths))
+        # implication counts are those of the current pointstamp frontiers (nothing stale): the
+        # times counted, compared as sets. How many times one is counted depends on how many of
+        # the path summaries that reach it an antichain keeps: a summary that resets an inner
+        # coordinate to 0 is below the identity, which the tracker sees where the identity is a path
+        # of edges and the reference order (one shape) does not; either way the frontier is the same.
+        got_counts = {loc: tracker.implications[loc].counts for loc in targets(g)}
+        assert all(c > 0 for counts in got_counts.values() for c in counts.values()), got_counts
+        assert ({loc: set(cs) for loc, cs in got_counts.items()}
+                == {loc: set(cs) for loc, cs in expected_implication_counts(tracker, g, paths).items()})
 
 
 def apply_changes(prev: dict, changes, g: Graph) -> dict:
