@@ -48,6 +48,8 @@ def hash_numeric_column(const column_t[::1] values, validity, Py_ssize_t offset,
     cdef uint64_t w
     if out.shape[0] != n:
         raise ValueError(f"out has {out.shape[0]} slots for {n} values")
+    if offset < 0:
+        raise ValueError(f"negative bit offset {offset}")
     if nullable:
         if (offset + n + 7) // 8 > bits.shape[0]:
             raise ValueError("validity bitmap too short for the column")
@@ -83,6 +85,8 @@ def hash_binary_column(const offset_t[::1] offsets, const uint8_t[::1] data, val
     cdef int64_t lo, hi
     if n < 0 or out.shape[0] != n:
         raise ValueError(f"out has {out.shape[0]} slots for {n} values")
+    if offset < 0:
+        raise ValueError(f"negative bit offset {offset}")
     if nullable:
         if (offset + n + 7) // 8 > bits.shape[0]:
             raise ValueError("validity bitmap too short for the column")

@@ -26,7 +26,9 @@ is never used. The hash is defined exactly as follows; all arithmetic is modulo 
                                            for x in t: h = absorb(h, hash64(x))
                                            return absorb(h, len(t))
 
-Anything else (dict, set, numpy scalars, ...) is a TypeError naming the type. Note that ``1`` and
+Anything else (dict, set, numpy scalars such as ``np.int64`` or ``np.float32``, ...) is a TypeError
+naming the type; ``np.float64``, ``np.str_`` and ``np.bytes_`` are subclasses of float, str and bytes
+and hash like them. Note that ``1`` and
 ``1.0`` hash differently (they are different types), while a tuple and a list with equal items hash
 equal. Subclasses of int/str/float/tuple/list hash like their base type.
 
@@ -46,6 +48,7 @@ Sources: this file (the hash), batch.pxi (partition, hash_batch, bins_of), route
 timely.columnar.kernels), included below into the one extension module.
 """
 from libc.stdint cimport uint64_t, int64_t, uint32_t
+import struct
 from cpython.mem cimport PyMem_Malloc, PyMem_Calloc, PyMem_Free
 
 cdef extern from *:

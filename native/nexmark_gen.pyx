@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, annotation_typing=False
-"""The NEXMark event generator in C (built as ``timely._native.nexmark_gen``).
+"""The NEXMark event generator in C (built as ``nexmark.nexmark_gen``).
 
 Computes exactly what the numpy generator in ``nexmark/generator.py`` computes (same hashes, same
 draws, same tuples), event by event, building the tuples directly instead of going through numpy

@@ -31,7 +31,12 @@ cdef object _open_table(object routing, Table *tb, Py_buffer *view):
             fmt = mv.format.lstrip("@=")  # native byte order only: "<i" etc. go the generic way
             fast = (mv.c_contiguous and len(fmt) == 1 and fmt in "bBhHiIlLqQnN"
                     and mv.itemsize in (1, 2, 4, 8))
-            table = None if fast else tuple(mv.tolist())
+            table = None
+            if not fast:
+                try:
+                    table = tuple(mv.tolist())
+                except NotImplementedError:  # an explicit byte order ("<q", ">i8"): tolist refuses it
+                    table = tuple(v for (v,) in struct.iter_unpack(mv.format, mv.tobytes()))
             itemsize = mv.itemsize
             mv.release()
             if fast:

@@ -72,6 +72,16 @@ class Config:
             raise ValueError(f"rate must be at least 1 event/s, not {self.rate}")
         if self.time_dilation < 1:
             raise ValueError(f"time_dilation must be a positive integer, not {self.time_dilation}")
+        # Divisors and moduli of the generator (a zero killed the native generator with SIGFPE).
+        for name in ("active_people", "in_flight_auctions", "hot_seller_ratio", "hot_auction_ratio",
+                     "hot_bidder_ratio", "hot_ratio_2", "num_categories", "person_proportion",
+                     "auction_proportion"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Config.{name} must be at least 1, not {getattr(self, name)}")
+        for name in ("bid_proportion", "first_category_id", "first_person_id", "first_auction_id",
+                     "person_id_lead", "auction_id_lead"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Config.{name} must not be negative, not {getattr(self, name)}")
 
     @property
     def denominator(self) -> int:

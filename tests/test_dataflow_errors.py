@@ -538,6 +538,21 @@ def test_an_exchange_key_that_raises_is_named_with_the_record_and_time(workers):
     with pytest.raises((timely.OperatorError, timely.WorkerError)) as ei:
         run(_keyerror_job, workers)
     assert "KeyError: \"operator 'Exchange#1': exchange key failed for record 'b' at time 0: 'b'\"" in str(ei.value)
+    # A field index on a record that is not a tuple or list (a dict here): the error names it,
+    # not "record None" (the native rule accepts an int key only for tuple or list records).
+    with pytest.raises((timely.OperatorError, timely.WorkerError)) as ei:
+        run(_dict_record_job, workers)
+    assert "exchange key failed for record {0: 'a'} at time 0" in str(ei.value)
+
+
+def _dict_record_job(worker):
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        inp.stream.exchange(0).probe()
+    if worker.index == 0:
+        inp.send_batch([{0: "a"}])
+    inp.close()
+    worker.finish()
 
 
 def _keyerror_job(worker):

@@ -6,6 +6,7 @@ of native/hashing.pyx) and plain-Python oracles for partition / hash_batch / bin
 from __future__ import annotations
 
 import array
+import ctypes
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -335,6 +337,8 @@ def test_route_bins_table_forms():
         memoryview(struct.pack("=16i", *table)).cast("i"),  # bytes viewed as format "i"
         tuple(table),
         SequenceTable(table),  # a sequence that is not a list, tuple or buffer
+        np.array(table, dtype=">i8"),  # an explicit byte order, which memoryview.tolist refuses
+        (ctypes.c_int64 * 16)(*table),  # format "<q"
     ]
     for routing in forms:
         assert H.route_bins(recs, 0, 4, routing, 3) == expected, type(routing)
@@ -519,3 +523,13 @@ def test_gather_matches_oracle(state, keys, subclass):
         H.gather([], keys)
     with pytest.raises(TypeError, match="unhashable"):
         H.gather(state, [[1]])
+
+
+def test_columns_refuse_a_negative_bit_offset():
+    values = np.arange(4, dtype=np.int64)
+    bits = np.full(4, 255, dtype=np.uint8)
+    out = np.zeros(4, dtype=np.uint64)
+    with pytest.raises(ValueError, match="negative bit offset"):
+        H.hash_numeric_column(values, bits, -8, out)
+    with pytest.raises(ValueError, match="negative bit offset"):
+        H.hash_binary_column(np.zeros(5, dtype=np.int32), np.zeros(0, dtype=np.uint8), bits, -8, True, out)

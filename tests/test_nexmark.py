@@ -171,3 +171,14 @@ def test_median_table_medians_and_all_at_once_ratio():
     assert aao.split()[-2:] == ["1.0x", "3/3"] and "200.0ms" in aao
     assert "20.0ms" in batched and "3.0ms" in batched  # median max latency, median p50
     assert batched.split()[-2] == "10.0x"  # 200 ms / 20 ms
+
+
+@pytest.mark.parametrize("field", ["active_people", "in_flight_auctions", "hot_seller_ratio", "hot_auction_ratio",
+                                   "hot_bidder_ratio", "hot_ratio_2", "num_categories", "person_proportion",
+                                   "auction_proportion"])
+def test_config_refuses_a_zero_divisor(field):
+    # A zero here killed a worker with SIGFPE in the native generator (and made the numpy one wrong).
+    with pytest.raises(ValueError, match=f"Config.{field} must be at least 1, not 0"):
+        Config(**{field: 0})
+    with pytest.raises(ValueError, match="Config.bid_proportion must not be negative"):
+        Config(bid_proportion=-1)

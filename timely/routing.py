@@ -20,6 +20,8 @@ def unroutable(batch: Any, key: Any) -> Any:
     index, a function, or ``None`` for the whole record) cannot be taken or hashed, to name it in
     an error (``None`` if every one can)."""
     for record in batch:
+        if isinstance(key, int) and not isinstance(record, (tuple, list)):
+            return record  # a field index needs tuple or list records (the native rule), not any subscriptable
         try:
             hash64(record if key is None else record[key] if isinstance(key, int) else key(record))
         except Exception:
