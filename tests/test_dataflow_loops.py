@@ -12,6 +12,7 @@ from epoch_input import STEP_TIMEOUT, epochs_of, mine, send_epoch
 from hypothesis import strategies as st
 from oracles import merged
 
+import timely
 from timely.dataflow import Exchange
 from timely.progress import less_than
 
@@ -182,3 +183,57 @@ def test_nested_scope_reachability(workers, graphs):
             for b in times[i + 1:]:
                 assert not less_than(b, a), f"worker {w}: {b} notified after {a}"
 
+
+
+def _endless_loop(step):
+    """A loop whose inner counter runs past 2**64 - 1 after a few rounds of ``step``."""
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            with scope.iterative() as inner:
+                handle, looped = inner.feedback(step)
+                body = inp.stream.enter(inner).concat(looped).exchange(lambda x: x)
+                body.connect_loop(handle)
+                body.leave().probe()
+        if worker.index == 0:
+            inp.send_batch([1])
+        inp.close()
+        worker.finish()
+    return main
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_loop_time_beyond_64_bits_fails_alike_on_any_number_of_workers(workers):
+    # Times travel as uint64: on several workers such a time failed as "can not serialize 'int'"
+    # with no operator named, while one worker ran on. Now both name the loop and the time.
+    with pytest.raises(timely.OperatorError) as ei:
+        run(_endless_loop(2**62), workers)
+    assert "operator 'Feedback': time (0, 18446744073709551616) has a coordinate beyond 18446744073709551615" \
+        in str(ei.value)
+
+
+def test_feedback_step_must_be_a_positive_integer():
+    def main(worker):
+        with worker.dataflow() as scope:
+            for step in (0, 0.5, True, 2**64):
+                with pytest.raises(timely.BuildError, match=f"feedback step must be a positive integer.*not {step!r}"):
+                    scope.feedback(step)
+        return "checked"
+    assert run(main, 1) == ["checked"]
+
+
+def test_a_summary_that_does_not_fit_its_ports_fails_at_build():
+    from timely.dataflow.builder import OperatorBuilder
+    from timely.progress import Summary
+
+    def main(worker):
+        with pytest.raises(timely.BuildError, match="operator 'Step': the summary .* does not fit the ports"):
+            with worker.dataflow() as scope:
+                inp = scope.new_input()
+                with scope.iterative() as inner:
+                    b = OperatorBuilder(inner, "Step")
+                    b.new_input(inp.stream.enter(inner), connection=[[Summary.feedback(1, 1)]])  # depth 1 in depth 2
+                    b.new_output()
+                    b.build(lambda caps: None)
+        return "checked"
+    assert run(main, 1) == ["checked"]

@@ -162,6 +162,14 @@ class OperatorBuilder:
         for i, row in enumerate(core.summary):
             if len(row) != len(core.outputs):
                 raise BuildError(f"operator '{core.name}': input {i} connection must list {len(core.outputs)} outputs")
+            levels = core.inputs[i].levels
+            for o, summaries in enumerate(row):
+                for s in summaries:
+                    if not isinstance(s, Summary) or s.keep > levels or \
+                            s.output_levels(levels) != core.outputs[o].levels:
+                        raise BuildError(f"operator '{core.name}': the summary {s!r} from input {i} to output {o} "
+                                         f"does not fit the ports: the input's times have {levels} coordinate(s), "
+                                         f"the output's {core.outputs[o].levels}")
         # The initial capabilities are already counted: every output starts at `peers` x minimum.
         progress = core.ctx.progress
         caps = [Capability(progress, core.index, core.name, o.port, minimum(o.levels), counted=False)

@@ -16,7 +16,13 @@ from typing import Any
 from ..errors import CapabilityError
 from ..progress.change_batch import ChangeBatch
 from ..progress.reachability import Source
-from ..progress.timestamp import Summary, less_equal
+from ..progress.timestamp import MAX_COORDINATE, Summary, beyond_end, less_equal
+
+
+def _beyond(name: str, time: Any) -> CapabilityError:
+    """The error of a capability at a time no worker could send (see ``MAX_COORDINATE``)."""
+    return CapabilityError(f"operator '{name}': time {time!r} has a coordinate beyond {MAX_COORDINATE} (2**64 - 1), "
+                           "the largest a time can have (times travel between workers as 64-bit integers)")
 
 
 class Capability:
@@ -50,6 +56,8 @@ class Capability:
             raise CapabilityError(
                 f"operator '{self._name}': cannot delay a capability at {self.time!r} to the earlier time {time!r}"
             )
+        if beyond_end(time):
+            raise _beyond(self._name, time)
         return Capability(self._progress, self.node, self._name, self.port, time)
 
     def downgrade(self, time: Any) -> None:
@@ -60,6 +68,8 @@ class Capability:
                 f"operator '{self._name}': cannot downgrade a capability at {self.time!r} to the earlier time {time!r}"
             )
         if time != self.time:
+            if beyond_end(time):
+                raise _beyond(self._name, time)
             source = Source(self.node, self.port)
             self._progress.update((source, time), +1)
             self._progress.update((source, self.time), -1)
@@ -157,6 +167,8 @@ class InputCapability:
                 f"operator '{info.name}': cannot create a capability at {time!r} from an input "
                 f"message at {self.time!r} (summaries {list(summaries)})"
             )
+        if beyond_end(time):
+            raise _beyond(info.name, time)
         return Capability(info.progress, info.node, info.name, output, time)
 
     def retain(self, output: int = 0) -> Capability:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BuildError
-from ..progress.timestamp import Summary
+from ..progress.timestamp import MAX_COORDINATE, Summary
 from . import keyed
 from .builder import OperatorBuilder
 from .capability import Capability
@@ -91,8 +91,9 @@ class Scope:
     def feedback(self, step: int = 1, name: str = "Feedback") -> tuple[LoopHandle, Stream]:
         """A loop: returns ``(handle, stream)``; records given to ``connect_loop(handle)`` reappear on
         ``stream`` with their last time coordinate advanced by ``step`` (which must be positive)."""
-        if step <= 0:
-            raise BuildError(f"feedback step must be positive (a loop must advance time), not {step}")
+        if type(step) is not int or not 0 < step <= MAX_COORDINATE:
+            raise BuildError(f"feedback step must be a positive integer (a loop must advance time) of at most "
+                             f"2**64 - 1, not {step!r}")
         b = OperatorBuilder(self, name)
         out, stream = b.new_output()
         handle = LoopHandle(self, b, out, Summary.feedback(self.levels, step), name)

@@ -26,12 +26,26 @@ def depth(t: Time) -> int:
     return len(t) if isinstance(t, tuple) else 1
 
 
+#: The largest value of a time's coordinate: times travel between workers as msgpack uint64, so a
+#: larger one could not be sent (checked where capabilities are made, on one worker as on many).
+MAX_COORDINATE = 2**64 - 1
+
+
+def beyond_end(t: Time) -> bool:
+    """True if a coordinate of ``t`` exceeds :data:`MAX_COORDINATE`."""
+    if type(t) is int:
+        return t > MAX_COORDINATE
+    return type(t) is tuple and any(type(x) is int and x > MAX_COORDINATE for x in t)
+
+
 def less_equal(a, b) -> bool:
     """The partial order: ints by value, tuples coordinate-wise (product order), summaries by ``<=``."""
     if type(a) is int:
+        if type(b) is tuple:
+            raise TypeError(f"cannot compare timestamps of different depths: {a!r} and {b!r}")
         return a <= b
     if type(a) is tuple:
-        if len(a) != len(b):
+        if type(b) is not tuple or len(a) != len(b):
             raise TypeError(f"cannot compare timestamps of different depths: {a!r} and {b!r}")
         for x, y in zip(a, b):
             if x > y:
