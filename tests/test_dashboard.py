@@ -229,3 +229,15 @@ def test_dashboard_api(tmp_path, monkeypatch):
     (out0, epochs0, table), (out1, _, _) = results[0]
     assert table is not None and table[3] == 1 - owner
     assert Counter(out0 + out1) == Counter((k, n) for k in KEYS for n in range(1, epochs0 + 1))
+
+
+def test_a_dashboard_port_in_use_is_named_with_its_reason(capfd):
+    from timely.dashboard import Dashboard
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"the dashboard cannot listen on 127.0.0.1:{port}: Address already in use$"):
+            Dashboard(metrics=None, port=port)
+    assert "Port" not in capfd.readouterr().err  # (werkzeug's own advice is not printed)

@@ -355,3 +355,134 @@ def test_completed_dataflows_are_freed_while_main_runs():
 
     (alive,) = timely.execute(main, workers=1)
     assert alive <= 1  # (the last one may linger in the step's locals)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_completed_dataflow_is_freed_while_main_keeps_its_handles(no_leftovers, workers):
+    """The usual locals of ``main`` (the closed input, a stream, the probe) kept a completed
+    dataflow's operators and their state alive until ``main`` returned."""
+    import gc
+    import weakref
+
+    class State:
+        data = bytearray(100_000)
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            state = State()
+            stream = inp.stream.map(lambda x, s=state: x + len(s.data)).exchange(lambda x: x)
+            probe = stream.probe()
+        ref = weakref.ref(state)
+        del state
+        inp.send_batch(list(range(10)))
+        inp.close()
+        worker.step_while(worker.has_dataflows, timeout=20)
+        gc.collect()
+        return ref() is None and inp.closed and probe.done() and stream is not None
+
+    assert timely.execute(main, workers=workers, timeout=50 if workers > 1 else None) == [True] * workers
+
+
+@pytest.mark.timeout(60)
+def test_the_channels_of_completed_dataflows_are_let_go(no_leftovers):
+    def main(worker):
+        for _ in range(30):
+            with worker.dataflow("q") as scope:
+                inp = scope.new_input()
+                probe = inp.stream.exchange(lambda x: x).probe()
+            inp.send_batch([worker.index, 5, 7])
+            inp.close()
+            worker.step_while(lambda: not probe.done(), timeout=20)
+        worker.step_while(worker.has_dataflows, timeout=20)
+        return len(worker.allocator._mailbox._pullers)  # (each dataflow had a progress and an exchange channel)
+
+    assert timely.execute(main, workers=2, timeout=50) == [0, 0]
+
+
+def test_a_late_message_on_a_retired_channel_is_dropped():
+    from timely.comm.errors import ChannelMismatch
+    from timely.comm.mailbox import Mailbox
+
+    box = Mailbox(0)
+    for channel in range(4):
+        box.open(channel)
+    box.retire([0, 1, 3])
+    assert box._retired_below == 2 and box._retired == {3}
+    box.deliver(1, 0, "late", 10)  # below the watermark
+    box.deliver(1, 3, "late", 10)  # retired above it
+    assert box.unread_bytes == 0 and box.take_events() == []
+    box.deliver(1, 2, "live", 10)
+    assert box.take_events() == [2]
+    box.retire([2])
+    assert box._retired_below == 4 and box._retired == set()
+    skipped = Mailbox(0)
+    skipped.open(0)
+    skipped.open(2)  # channel 1 skipped: a message on it can never be read, and is not retired
+    with pytest.raises(ChannelMismatch):
+        skipped.deliver(1, 1, "lost", 1)
+
+
+def test_repeated_dataflow_names_are_numbered_once_each():
+    def main(worker):
+        labels = []
+        for name in ("q", "q #2", "q", "q", "other", "q"):
+            with worker.dataflow(name) as scope:
+                scope.new_input().close()
+            labels.append(worker._dataflows[-1].label)
+        return labels
+
+    (labels,) = timely.execute(main, workers=1)
+    assert labels == ["q", "q #2", "q #3", "q #4", "other", "q #5"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_step_or_park_without_a_dataflow_returns_at_once(no_leftovers, workers):
+    def main(worker):
+        started = time.monotonic()
+        more = worker.step_or_park(None)
+        return more, time.monotonic() - started < 5
+
+    assert timely.execute(main, workers=workers, timeout=30 if workers > 1 else None) == [(False, True)] * workers
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_watchdog_limit_that_is_not_positive_is_refused_before_any_worker_starts(no_leftovers, workers):
+    before = {pid for pid, _ in children(os.getpid())}
+    with pytest.raises(ValueError, match="the watchdog limit must be a positive number of seconds, not 0"):
+        timely.execute(_exchange, workers, watchdog=0)
+    assert new_children(before) == []
+
+
+def test_a_failed_worker_construction_leaves_no_watchdog_behind(tmp_path):
+    import threading
+
+    (tmp_path / "file").write_text("")
+    handler = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(Exception, match="cannot be used"):
+        timely.execute(lambda w: 1, workers=1, watchdog=5, checkpoint=str(tmp_path / "file" / "ckpt"))
+    assert [t.name for t in threading.enumerate() if "watchdog" in t.name] == []
+    assert signal.getsignal(signal.SIGUSR1) == handler
+
+
+@pytest.mark.timeout(60)
+def test_send_batch_takes_a_numpy_array_as_python_records(no_leftovers):
+    import numpy as np
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            got = inp.stream.exchange(lambda x: x).capture()
+        if worker.index == 0:
+            inp.send(0)
+            inp.send_batch(np.arange(1, 5))  # after a buffered record, and alone
+            inp.send_batch(np.arange(5, 8))
+        inp.close()
+        worker.finish()
+        return sorted((type(x).__name__, x) for _, batch in got.extract() for x in batch)
+
+    results = timely.execute(main, workers=2, timeout=50)
+    assert sorted(r for res in results for r in res) == [("int", i) for i in range(8)]

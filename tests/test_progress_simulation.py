@@ -139,6 +139,10 @@ class SimAllocator:
             self.arrived.add(channel)
         return [_SimPusher(self, t, channel) for t in range(self.peers)], puller
 
+    def retire(self, channels) -> None:
+        for channel in channels:
+            del self.pullers[channel]  # a message arriving on it afterwards goes to `early`, unread
+
     def arrive(self, channel: int, message: Any) -> None:
         if channel in self.pullers:
             self.pullers[channel].queue.append(message)

@@ -70,3 +70,25 @@ def test_the_columnar_megaphone_example_runs(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "worker 0 holds bins" in done.stdout
     assert "{'auction': 0, 'price_sum': 80, 'price_count': 8, 'price_max': 10, 'price_mean': 10.0}" in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_operator_builder_example_splits_signs_on_two_workers(tmp_path):
+    block = example("### Building an operator")
+    source = (
+        "import timely\n\n"
+        "def main(worker):\n"
+        "    with worker.dataflow() as scope:\n"
+        "        source = scope.new_input()\n"
+        "        s = source.stream\n"
+        + "".join(f"        {line}\n" for line in block.splitlines())
+        + "        got = positives.capture(), negatives.capture()\n"
+        "    source.send_batch([1, -2, 3, -4, 0] if worker.index == 0 else [5, -6])\n"
+        "    source.close()\n"
+        "    worker.finish()\n"
+        "    return [sorted(x for _, batch in c.extract() for x in batch) for c in got]\n\n"
+        "results = timely.execute(main, workers=2, timeout=60)\n"
+        "print(sorted(x for r in results for x in r[0]), sorted(x for r in results for x in r[1]))\n")
+    done = run(tmp_path, "builder.py", source)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 1, 3, 5] [-6, -4, -2]"

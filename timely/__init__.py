@@ -109,6 +109,8 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
     from .comm.secret import resolve  # (ZeroMQ: only when a job runs)
 
     job_secret = resolve(secret)
+    if watchdog is not None and not watchdog > 0:  # (before any worker starts, on one worker as on many)
+        raise ValueError(f"the watchdog limit must be a positive number of seconds, not {watchdog!r}")
     if restarts and checkpoint is None:
         raise ValueError("restarts need checkpoint=DIR to resume from")
     config = None

@@ -55,19 +55,24 @@ class Worker:
         self.fuzz = fuzz  # seed of the schedule fuzzer (timely.dataflow.fuzz); None: no fuzzing
         self._built = 0  # dataflows built so far (each fuzzes with its own generator)
         self._labels: set[str] = set()  # the metrics labels of the dataflows built (Dataflow.label)
-        # The stuck-operator watchdog (timely.watchdog): started here, stopped by close().
+        self._label_next: dict[str, int] = {}  # per dataflow name, the number its next repeat tries first
         self.watchdog: Watchdog | None = None
-        if watchdog is not None:
-            self.watchdog = Watchdog(watchdog, self.index, watchdog_warn)
-            self.watchdog.start()
-        # The checkpoint runtime (timely.checkpoint): participants register with it while building.
         self.checkpoint: Checkpointer | None = None
-        if checkpoint is not None:
-            from .checkpoint.checkpointer import Checkpointer  # (fsspec: only for jobs with checkpoints)
+        try:
+            # The checkpoint runtime (timely.checkpoint): participants register with it while building.
+            if checkpoint is not None:
+                from .checkpoint.checkpointer import Checkpointer  # (fsspec: only for jobs with checkpoints)
 
-            self.checkpoint = Checkpointer.open(checkpoint, self.index, self.peers, self._job_id)
-        # Metrics (timely.metrics): counters always; the reporter, hub and endpoints when configured.
-        self.metrics: WorkerMetrics = attach(self)
+                self.checkpoint = Checkpointer.open(checkpoint, self.index, self.peers, self._job_id)
+            # Metrics (timely.metrics): counters always; the reporter, hub and endpoints when configured.
+            self.metrics: WorkerMetrics = attach(self)
+            # The stuck-operator watchdog (timely.watchdog): started last, stopped by close().
+            if watchdog is not None:
+                self.watchdog = Watchdog(watchdog, self.index, watchdog_warn)
+                self.watchdog.start()
+        except BaseException:
+            self.close()  # the threads, handlers and servers started so far
+            raise
 
     #: Register a metrics source (an object with ``metrics_name`` and ``metrics()``) for every worker
     #: of this process: :func:`timely.metrics.add_source`, here for the libraries built on timely.
@@ -113,10 +118,13 @@ class Worker:
         self._built += 1
         # The dataflow's name in metrics: its name, numbered when an earlier dataflow of this worker
         # had it (every worker builds the same dataflows in the same order, so all agree).
-        label, n = df.name, 1
-        while label in self._labels:
+        label, n = df.name, self._label_next.get(df.name, 1)
+        if n > 1:
+            label = f"{df.name} #{n}"
+        while label in self._labels:  # (numbers resume where the name's last repeat stopped)
             n += 1
             label = f"{df.name} #{n}"
+        self._label_next[df.name] = n + 1
         self._labels.add(label)
         df.label = label
         self._building = df
@@ -153,9 +161,12 @@ class Worker:
             did = df.step(events) or did
         alloc.release()
         if any(df.complete() for df in self._dataflows):
+            done = [df for df in self._dataflows if df.complete()]
             with self.metrics.lock:  # (a report reads both lists)
-                self.metrics.retire([df for df in self._dataflows if df.complete()])  # their final counts
+                self.metrics.retire(done)  # their final counts
                 self._dataflows = [df for df in self._dataflows if not df.complete()]
+            for df in done:
+                df.release()
             # A closed input needs no closing by finish(): holding it would keep its completed
             # dataflow (operators, their state) alive for as long as main runs.
             self._open_inputs = [h for h in self._open_inputs if not h.closed]
@@ -164,8 +175,8 @@ class Worker:
             # them), then, with nothing left, the park.
             if finished:
                 self._check_built(finished)
-            if any([df.wake_idle() for df in self._dataflows]) or timeout == 0:
-                return bool(self._dataflows)
+            if any([df.wake_idle() for df in self._dataflows]) or timeout == 0 or not self._dataflows:
+                return bool(self._dataflows)  # (with no dataflow, nothing could wake a park)
             timers = [t for t in (df.next_timer() for df in self._dataflows) if t is not None]
             if timers:
                 timeout = min(timers) if timeout is None else min(timeout, *timers)
@@ -213,7 +224,9 @@ class Worker:
     def close(self) -> None:
         """Release what the worker holds outside its dataflows (the watchdog's and the checkpoint
         writer's threads, the metrics reporter and servers); idempotent."""
-        self.metrics.close()
+        metrics = getattr(self, "metrics", None)  # (None: __init__ failed before attaching them)
+        if metrics is not None:
+            metrics.close()
         if self.checkpoint is not None:
             self.checkpoint.close()
         if self.watchdog is not None:

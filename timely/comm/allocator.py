@@ -79,6 +79,9 @@ class Allocator(Protocol):
         ``channel`` must be larger than every channel allocated before (creation order).
         """
 
+    def retire(self, channels: Iterable[int]) -> None:
+        """Let go of ``channels``, whose dataflow has completed on this worker."""
+
     def receive(self) -> None:
         """Move every message that has arrived from the network into its channel's puller."""
 
@@ -126,6 +129,10 @@ class ThreadAllocator:
         """Return the loopback pusher and the puller of ``channel``."""
         puller = self._mailbox.open(channel)
         return [self._mailbox.loopback(puller)], puller
+
+    def retire(self, channels: Iterable[int]) -> None:
+        """Drop the queues of ``channels`` (their dataflow completed)."""
+        self._mailbox.retire(channels)
 
     def receive(self) -> None:
         """Nothing to receive: every message was queued when it was pushed."""

@@ -84,7 +84,7 @@ class Mailbox:
     """
 
     __slots__ = ("index", "events", "unread_bytes", "_pullers", "_last", "_pending", "_pending_from",
-                 "_pending_bytes")
+                 "_pending_bytes", "_retired", "_retired_below")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -95,6 +95,9 @@ class Mailbox:
         self._pending: dict[int, list[Any]] = {}  # messages for channels not allocated yet
         self._pending_from: dict[int, int] = {}  # the first worker that sent on such a channel
         self._pending_bytes: dict[int, int] = {}  # their encoded size, by channel
+        # Channels of completed dataflows (retire): every channel below _retired_below, and these.
+        self._retired: set[int] = set()
+        self._retired_below = 0
 
     def open(self, channel: int) -> LocalPuller:
         """Create the puller of ``channel``, holding whatever peers already sent on it.
@@ -138,8 +141,21 @@ class Mailbox:
                 self._pending_bytes[channel] = 0
             self._pending[channel].append(message)
             self._pending_bytes[channel] += size  # not unread yet (see the module docstring)
+        elif channel < self._retired_below or channel in self._retired:
+            pass  # its dataflow completed here, so the message changes no count (nothing reads it)
         else:
             raise self._mismatch(channel, self._last, source)
+
+    def retire(self, channels: Iterable[int]) -> None:
+        """Drop the queues of ``channels``, whose dataflow has completed on this worker (it holds no
+        pointstamp, so a message still arriving on one cannot change a count: it is dropped)."""
+        for channel in channels:
+            if self._pullers.pop(channel, None) is not None:
+                self._retired.add(channel)
+                self.events.discard(channel)
+        while self._retired_below in self._retired:  # channels are allocated in order: keep the set small
+            self._retired.discard(self._retired_below)
+            self._retired_below += 1
 
     def take_events(self) -> list[int]:
         """Return (and clear) the ids of channels that received messages since the last call.

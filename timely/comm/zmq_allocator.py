@@ -188,6 +188,10 @@ class ZmqAllocator:
         ]
         return pushers, puller
 
+    def retire(self, channels: Iterable[int]) -> None:
+        """Drop the queues of ``channels`` (their dataflow completed)."""
+        self._mailbox.retire(channels)
+
     def receive(self) -> None:
         """Move every message that has arrived into its channel's puller."""
         if self._links is not None:

@@ -12,6 +12,7 @@ with the reason, and the job runs on.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -32,6 +33,16 @@ class Steering(Protocol):
     def submit(self, req: Any, timeout: float) -> tuple[bool, dict[str, Any]]: ...
 
 
+def _bindable(host: str, port: int) -> None:
+    """Raise the ``OSError`` of binding ``host:port`` (a port in use), if any."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server itself binds
+        s.bind((host.strip("[]"), port))
+
+
 class Dashboard:
     """Serves the page and its API at ``host:port`` (0: a free port; :attr:`port` is the bound one)
     over worker 0's ``metrics`` (a :class:`timely.metrics.WorkerMetrics` with a hub)."""
@@ -44,9 +55,12 @@ class Dashboard:
         self._hosts = {"127.0.0.1", "localhost", "[::1]"} if host in ("127.0.0.1", "localhost", "::1") else None
         self.app = self._app()
         try:
+            _bindable(host, port)  # (werkzeug would print its own advice, then sys.exit(1), on a port in use)
             self._server = make_server(host, port, self.app, threaded=True)
-        except (OSError, SystemExit) as e:  # werkzeug exits on a port in use
-            raise OSError(f"the dashboard cannot listen on {host}:{port}: {e}") from None
+        except OSError as e:
+            raise OSError(f"the dashboard cannot listen on {host}:{port}: {e.strerror or e}") from None
+        except SystemExit:  # werkzeug's exit, should the port be taken between the two binds
+            raise OSError(f"the dashboard cannot listen on {host}:{port}: Address already in use") from None
         self.port: int = self._server.server_port
         self.url = f"http://{host}:{self.port}/"
         self._thread = threading.Thread(target=self._server.serve_forever, name="timely-dashboard", daemon=True)

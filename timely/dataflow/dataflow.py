@@ -67,7 +67,8 @@ class Dataflow:
         self._sent = 0  # sequence number of our next progress message
         self._received = [0] * self.peers  # next sequence number expected from each worker
         # The progress channel is allocated first, so its id is the same on every worker.
-        self._progress_pushers, self._progress_puller = worker.allocate(worker.new_channel())
+        self._progress_channel = worker.new_channel()
+        self._progress_pushers, self._progress_puller = worker.allocate(self._progress_channel)
         # Relaying pays only with three workers or more: with two, the relay forwards to no one.
         self._relay = RELAY if worker.progress == "relay" and self.peers > 2 else None
         self._forward: list[tuple[tuple, list]] = []  # at the relay: others' batches to pass on, in arrival order
@@ -357,6 +358,17 @@ class Dataflow:
         return (bool(self.ctx.activations.active) or not self.progress.is_empty() or bool(self.ctx.pending)
                 or bool(self._forward)
                 or self.fuzzer is not None and self.fuzzer.holding())
+
+    def release(self) -> None:
+        """Let go of what this completed dataflow holds: its channels' queues in the allocator and
+        its operators' logic (their state). A handle the job keeps (a closed input, a stream)
+        would otherwise keep all of it alive for as long as ``main`` runs."""
+        self.worker.allocator.retire([self._progress_channel, *self._pullers])
+        for op in self.operators:
+            op.logic = None
+        self._pullers.clear()
+        self._inputs.clear()
+        self._loops.clear()
 
     def complete(self) -> bool:
         """True when no pointstamp remains anywhere: nothing can happen in this dataflow any more."""

@@ -57,14 +57,18 @@ class InputHandle:
         """Send many records at the current time.
 
         A list is handed over as is, not copied (as every batch inside the dataflow): the caller
-        must not mutate it afterwards. Other sequences are copied into a list.
+        must not mutate it afterwards. Other sequences are copied into a list; one with a
+        ``tolist()`` (a numpy array, a pandas series) through it, so its records are Python objects.
         """
         cap = self._open()
+        if type(records) is not list:
+            tolist = getattr(records, "tolist", None)
+            records = tolist() if callable(tolist) else list(records)
         if self._buffer:
             self._buffer.extend(records)
             self.flush()
         elif records:
-            self._out.give_batch(cap, records if type(records) is list else list(records))
+            self._out.give_batch(cap, records)
 
     def flush(self) -> None:
         """Push buffered records into the dataflow."""
