@@ -486,3 +486,12 @@ def test_send_batch_takes_a_numpy_array_as_python_records(no_leftovers):
 
     results = timely.execute(main, workers=2, timeout=50)
     assert sorted(r for res in results for r in res) == [("int", i) for i in range(8)]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"args": "abc"}, "args must be a sequence of strings .* not one string: 'abc'"),
+    ({"fuzz": "x"}, "fuzz must be an integer seed or None, not 'x'"),
+])
+def test_a_string_for_args_or_fuzz_is_refused(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        timely.execute(_exchange, 1, **kwargs)

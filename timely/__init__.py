@@ -86,7 +86,8 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
     left open are closed and the worker runs its dataflows to completion. A failed worker raises
     :class:`WorkerError` (:class:`WorkerOperatorError` for an operator's error) after the others
     are stopped; ``workers < 1``, an unknown ``start`` or a ``timeout`` that is not positive raise
-    :class:`ValueError`. ``fuzz=SEED`` runs every worker under the schedule fuzzer
+    :class:`ValueError` (a string for ``args``, or a ``fuzz`` that is not an integer: :class:`TypeError`).
+    ``fuzz=SEED`` runs every worker under the schedule fuzzer
     (:mod:`timely.dataflow.fuzz`): batches are split, reordered and delayed, and operators scheduled
     spuriously, as timely allows; a failure on one worker reproduces with the same seed.
     ``watchdog=S`` ends the run with :class:`~timely.errors.OperatorStuckError` (the operator, the
@@ -109,6 +110,10 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
     from .comm.secret import resolve  # (ZeroMQ: only when a job runs)
 
     job_secret = resolve(secret)
+    if isinstance(args, (str, bytes)):
+        raise TypeError(f"args must be a sequence of strings (the job's arguments), not one string: {args!r}")
+    if fuzz is not None and (type(fuzz) is not int):
+        raise TypeError(f"fuzz must be an integer seed or None, not {fuzz!r}")
     if watchdog is not None and not watchdog > 0:  # (before any worker starts, on one worker as on many)
         raise ValueError(f"the watchdog limit must be a positive number of seconds, not {watchdog!r}")
     if restarts and checkpoint is None:
