@@ -373,18 +373,21 @@ def _unpickled(cause: tuple[bytes | None, str]) -> BaseException:
 def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequence[int], *,
               grace: float = STOP_GRACE, timeout: float | None = None, collect: float = COLLECT_WINDOW,
               on_failure: Callable[[Outcome], None] | None = None, start: str = "fork",
-              stopped_grace: float = STOPPED_GRACE) -> list[Outcome]:
+              stopped_grace: float = STOPPED_GRACE, since: float | None = None) -> list[Outcome]:
     """Run ``entry(index, report)`` in one child process per index; return their outcomes.
 
     ``report(value)`` hands a picklable result to the parent. A worker succeeds when it reported
     and exited with status 0. When one fails, ``on_failure`` is called once with the first failure
     and the others are stopped ``collect`` seconds later (meanwhile further outcomes are gathered,
     to tell the root cause from its consequences). ``timeout`` seconds (``None``: no limit) bounds the whole run; on
-    expiry everyone is stopped and :class:`TimeoutError` raised. Every child is reaped on return,
-    on error and on ``KeyboardInterrupt``. ``start`` is one of :data:`START_METHODS`: ``"fork"``
-    forks the children from this process, ``"spawn"`` starts each as a fresh interpreter, which
-    needs a picklable ``entry`` (:class:`TypeError` otherwise, before any child starts). A worker
-    that stays stopped (SIGSTOP / SIGTSTP) for ``stopped_grace`` seconds is killed (SIGKILL) and
+    expiry everyone is stopped and :class:`TimeoutError` raised. The timeout counts from ``since``
+    (a :func:`time.monotonic` reading; ``None``: this call), so that the attempts of a restarted
+    job share one timeout; if it has expired already, :class:`TimeoutError` is raised before any
+    child starts. Every child is reaped on return, on error and on ``KeyboardInterrupt``.
+    ``start`` is one of :data:`START_METHODS`: ``"fork"`` forks the children from this process,
+    ``"spawn"`` starts each as a fresh interpreter, which needs a picklable ``entry``
+    (:class:`TypeError` otherwise, before any child starts). A worker that stays stopped (SIGSTOP /
+    SIGTSTP) for ``stopped_grace`` seconds is killed (SIGKILL) and
     fails with status ``"suspended"``; time the supervisor itself spent stopped does not count.
     """
     if start not in START_METHODS:
@@ -399,7 +402,9 @@ def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequ
     outcomes = {i: Outcome(i) for i in indices}
     procs: dict[int, Any] = {}
     conns: dict[Any, int] = {}
-    began = time.monotonic()
+    began = time.monotonic() if since is None else since
+    if timeout is not None and time.monotonic() - began >= timeout:
+        raise TimeoutError(f"workers {list(indices)} not started: the run's {timeout} s have passed")
     try:
         for i in indices:
             reader, writer = ctx.Pipe(duplex=False)
@@ -627,7 +632,8 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
     """Run ``main(worker)`` in ``workers`` processes on this host; return each result by index.
 
     Results must be picklable. ``transport`` is ``"ipc"`` (Unix sockets in a private temporary
-    directory) or ``"tcp"`` (free ports on 127.0.0.1). ``timeout`` and ``start`` are
+    directory) or ``"tcp"`` (free ports on 127.0.0.1). ``timeout`` (seconds, for the whole run: with
+    restarts, every attempt gets what the earlier ones left) and ``start`` are
     :func:`supervise`'s (with ``start="spawn"``, ``main`` must be picklable); ``fuzz`` seeds every
     worker's schedule fuzzer (:mod:`timely.dataflow.fuzz`); ``watchdog`` is every worker's
     stuck-operator limit in seconds (:mod:`timely.watchdog`). ``secret`` is the job secret (its
@@ -651,13 +657,15 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
     options["progress"] = check_progress_mode(progress)  # before any worker starts
     from .recovery import run_restarting
 
+    began = time.monotonic()  # the timeout bounds the run, all its attempts together
     with local_endpoints(workers, transport) as endpoints:
         def attempt(config: CheckpointConfig | None) -> list[Outcome]:
             entry = functools.partial(_cluster_worker, main, workers, endpoints, token, list(args or []), fuzz,
                                       watchdog, {**options, "checkpoint": config})
-            return supervise(entry, range(workers), grace=grace, timeout=timeout, start=start)
+            return supervise(entry, range(workers), grace=grace, timeout=timeout, start=start, since=began)
 
-        outcomes = run_restarting(attempt, restarts, checkpoint, lambda line: sys.stderr.write(f"timely: {line}\n"))
+        outcomes = run_restarting(attempt, restarts, checkpoint, lambda line: sys.stderr.write(f"timely: {line}\n"),
+                                  deadline=None if timeout is None else began + timeout)
     if any(o.failed for o in outcomes):
         raise failure_error(outcomes)
     return [o.result for o in outcomes]

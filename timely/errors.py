@@ -9,11 +9,25 @@ may raise its errors.
 from __future__ import annotations
 
 import traceback
-from typing import NoReturn
+from typing import Any, NoReturn
+
+
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
+    """An instance of ``cls`` with ``args``, made without its ``__init__`` (unpickling: the state,
+    its attributes, is set next)."""
+    return cls.__new__(cls, *args)
 
 
 class TimelyError(Exception):
-    """Base class of the errors the engine raises on purpose."""
+    """Base class of the errors the engine raises on purpose.
+
+    Every one pickles (so it crosses a process boundary: a job run in a
+    ``concurrent.futures.ProcessPoolExecutor`` or a Spark task hands it back) with its message,
+    its attributes (``cause``, ``worker``, ...) and its class, whatever its constructor's
+    arguments: it is rebuilt from its ``args`` and attributes, without calling ``__init__``."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args), self.__dict__ or None
 
 
 class CapabilityError(TimelyError, RuntimeError):
@@ -67,16 +81,48 @@ class OperatorStuckError(OperatorError):
                   f"watchdog limit of {limit:g} s; its stack:\n{stack}")
 
 
+#: Py_TPFLAGS_HEAPTYPE: a class defined in Python (not a builtin or C extension type).
+_HEAPTYPE = 1 << 9
+
+
+def _rebuildable(exc: BaseException) -> bool:
+    """Whether ``exc`` is a message and nothing more, so that an exception of its class built
+    from another message loses nothing: its ``args`` one string, no attribute of its own
+    (``__notes__`` aside), and no class of its up to :class:`BaseException` with a constructor
+    of its own (a Python ``__init__`` or ``__new__``, or a builtin's with fields beyond
+    ``args``: ``OSError``'s ``errno`` and ``filename``, ``ImportError``'s ``name``, ...)."""
+    if len(exc.args) != 1 or not isinstance(exc.args[0], str):
+        return False
+    if any(name != "__notes__" for name in getattr(exc, "__dict__", {})):
+        return False
+    for cls in type(exc).__mro__:
+        if cls is BaseException:
+            return True
+        if cls.__flags__ & _HEAPTYPE:
+            if "__init__" in vars(cls) or "__new__" in vars(cls):
+                return False
+        elif cls.__basicsize__ != BaseException.__basicsize__:
+            return False
+    return False
+
+
 def raise_with_context(exc: BaseException, context: str) -> NoReturn:
-    """Raise ``exc`` with ``context`` (what was being done: the operator, record, time) before its
-    message: as a new exception of the same class, caused by ``exc``, where the class can be built
-    from one message (so callers still catch what they expect), else ``exc`` itself with
-    ``context`` as a note (a class whose constructor needs other arguments)."""
-    try:
-        wrapped = type(exc)(f"{context}: {exc}")
-    except Exception:
-        wrapped = None
-    if wrapped is None:
-        exc.add_note(context)
-        raise exc
-    raise wrapped from exc
+    """Raise ``exc`` with ``context`` (what was being done: the operator, record, time) added.
+
+    Where ``exc`` is only a message (:func:`_rebuildable`: ``KeyError('b')``, ``ValueError(...)``),
+    a new exception of the same class, with ``context`` before that message and caused by
+    ``exc``, so callers still catch what they expect and its one line names the context. Else
+    (a class whose constructor takes data, ``LookupFailed(404)``, ``FileNotFoundError(errno,
+    strerror, filename)``, or an instance with attributes of its own) ``exc`` itself, untouched
+    but for ``context`` as a note (``add_note``): every traceback of it ends with that line,
+    including the remote traceback a worker process reports (:class:`timely.WorkerError`) and
+    the one an :class:`OperatorError` carries."""
+    if _rebuildable(exc):
+        try:
+            wrapped = type(exc)(f"{context}: {exc}")
+        except Exception:
+            pass
+        else:
+            raise wrapped from exc
+    exc.add_note(context)
+    raise exc

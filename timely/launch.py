@@ -16,7 +16,7 @@ and traceback are printed), died (its index and signal are printed), stayed stop
 SIGTSTP longer than ``--stopped-grace`` seconds (it is killed; a stop of the whole job, Ctrl-Z then
 ``fg``, is not one), or ``--timeout`` expired, after stopping the others (with ``--checkpoint DIR
 --restarts R``, a worker that dies or raises first restarts the job from the latest checkpoint in
-DIR, up to R times, one line each: ``timely.recovery``); 2 for a usage error (a bad
+DIR, up to R times, one line each: ``timely.recovery``; ``--timeout`` bounds all the runs together); 2 for a usage error (a bad
 option, an unreadable or empty ``--secret-file``) or a job file that cannot run (syntax error, no
 ``main``, a ``main`` that is not a function), before any worker runs the job; 130 on Ctrl-C, 143 on
 SIGTERM, 129 on SIGHUP; 141 (SIGPIPE, nothing printed) when the job's output pipe was closed
@@ -36,6 +36,7 @@ import secrets
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -153,7 +154,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a peer host silent for S seconds (TCP keepalive probes unanswered, or data "
                         "unacknowledged) is lost (default 30: generous, as a worker busy in one long step stops "
                         "reading; a crashed process is noticed at once)")
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="stop the job after S seconds")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="stop the job after S seconds (with --restarts: all its runs together)")
     p.add_argument("--watchdog", type=float, default=None, metavar="S",
                    help="end the job when one operator invocation lasts longer than S seconds, naming it "
                         "and printing the worker's stack")
@@ -371,11 +373,13 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
     # SIGHUP (nohup) stays ignored.
     stops = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) is not signal.SIG_IGN]
     previous = {s: signal.signal(s, on_sigterm) for s in stops}
+    began = time.monotonic()  # --timeout bounds the job, all its restarts together
     try:
         outcomes = run_restarting(
             lambda config: supervise(functools.partial(entry, config), range(first, first + n), timeout=opts.timeout,
-                                     stopped_grace=opts.stopped_grace),
-            opts.restarts, config, lambda line: sys.stderr.write(f"timely.launch: {line}\n"))
+                                     stopped_grace=opts.stopped_grace, since=began),
+            opts.restarts, config, lambda line: sys.stderr.write(f"timely.launch: {line}\n"),
+            deadline=None if opts.timeout is None else began + opts.timeout)
     except KeyboardInterrupt:
         sys.stderr.write("timely.launch: interrupted; workers stopped\n")
         return 130

@@ -9,6 +9,7 @@ or a job file that cannot run is not retried: it would fail again.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -40,11 +41,16 @@ def retryable(failure: Outcome) -> bool:
 
 
 def run_restarting(attempt: Callable[[CheckpointConfig | None], list[Outcome]], restarts: int,
-                   config: CheckpointConfig | None, log: Callable[[str], object]) -> list[Outcome]:
+                   config: CheckpointConfig | None, log: Callable[[str], object],
+                   deadline: float | None = None) -> list[Outcome]:
     """Run ``attempt(config)`` (one run of every worker with that checkpoint configuration,
     returning their outcomes) and, while it fails retryably and fewer than ``restarts`` restarts
     were made, run it again with the next ``config.attempt``; ``log`` gets one line per restart
-    (which worker failed, the epoch the job resumes from). Returns the last outcomes."""
+    (which worker failed, the epoch the job resumes from). Returns the last outcomes.
+
+    ``deadline`` (a :func:`time.monotonic` reading, ``None``: none) is the end of the run's
+    timeout, which ``attempt`` enforces (every attempt gets what is left of it): a failure once it
+    has passed is not restarted (``log`` says so) but returned."""
     if restarts < 0:
         raise ValueError(f"restarts must be at least 0, not {restarts}")
     if restarts and config is None:
@@ -56,6 +62,9 @@ def run_restarting(attempt: Callable[[CheckpointConfig | None], list[Outcome]], 
             return outcomes
         first = primary_failure(outcomes)
         if not retryable(first):
+            return outcomes
+        if deadline is not None and time.monotonic() >= deadline:
+            log(f"{first.describe()}; not restarted: the run's timeout has expired")
             return outcomes
         assert config is not None
         from .checkpoint.checkpointer import JOB  # (fsspec: only once a job with checkpoints failed)
