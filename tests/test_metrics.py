@@ -138,12 +138,24 @@ def test_port_in_use_is_reported_and_the_job_runs(monkeypatch, capfd, option, wh
     (["--dashboard", "8080", "--hostfile", "hosts.txt"], "work on one host only"),
     (["--autobalance", "threshold=x"], "is not a number"),
     (["--autobalance", "threshold"], "is not knob=value"),
+    (["--autobalance", "bogus=1"], "--autobalance: unknown knob(s) bogus (known: threshold"),
+    (["--autobalance", "strategy=nope"], "--autobalance: strategy='nope' is not auto or one of"),
+    (["--autobalance", "threshold=0.2,target=0.3"], "must be below threshold"),
+    (["--autobalance", "threshold=0"], "threshold must be positive"),
 ])
 def test_launcher_refuses_bad_options(tmp_path, capsys, argv, message):
     job = tmp_path / "job.py"
     job.write_text("def main(worker):\n    pass\n")
     assert launch_main([*argv, str(job)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_bare_autobalance_before_the_job_file_takes_no_options(tmp_path, capfd):
+    """``--autobalance job.py`` took the job file for the AutoBalancer's options."""
+    job = tmp_path / "job.py"
+    job.write_text("def main(worker):\n    print('ran', worker.args)\n")
+    assert launch_main(["--autobalance", str(job), "x=1"]) == 0
+    assert "ran ['x=1']" in capfd.readouterr().out
 
 
 def migrating_job(worker: timely.Worker):

@@ -219,9 +219,21 @@ class _Terminated(BaseException):
     """SIGTERM or SIGHUP received by the launcher (``args[0]``: the signal)."""
 
 
+def _bare_autobalance(argv: list[str]) -> list[str]:
+    """``--autobalance JOB.py ...``: the job file follows a bare ``--autobalance`` (whose OPTS are
+    optional), not its OPTS (``knob=value`` pairs), so argparse must not take it as them."""
+    for i, arg in enumerate(argv[:-1]):
+        if not arg.startswith("-"):
+            break  # the job file: what follows is the job's
+        if arg == "--autobalance" and "=" not in argv[i + 1] and (argv[i + 1].endswith(".py")
+                                                                  or os.path.isfile(argv[i + 1])):
+            return [*argv[:i], "--autobalance=", *argv[i + 1:]]
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the job on this host's workers and return the exit status."""
-    opts = _parser().parse_args(argv)
+    opts = _parser().parse_args(_bare_autobalance(sys.argv[1:] if argv is None else list(argv)))
     try:
         if opts.workers < 1:
             raise _UsageError(f"-w must be at least 1, not {opts.workers}")
@@ -283,6 +295,20 @@ def _check_observe(opts: argparse.Namespace) -> dict[str, Any] | None:
             knobs[name.strip()] = value.strip() if name.strip() == "strategy" else float(value)
         except ValueError:
             raise _UsageError(f"--autobalance: {name}={value!r} is not a number") from None
+    # Checked here, before any worker starts (the AutoBalancer on worker 0 would refuse them later).
+    from megaphone.autobalance import DEFAULTS, STRATEGIES, BalancePolicy
+
+    unknown = sorted(set(knobs) - set(DEFAULTS))
+    if unknown:
+        raise _UsageError(f"--autobalance: unknown knob(s) {', '.join(unknown)} (known: {', '.join(DEFAULTS)})")
+    if knobs.get("strategy", "auto") not in ("auto", *STRATEGIES):
+        raise _UsageError(f"--autobalance: strategy={knobs['strategy']!r} is not auto or one of {', '.join(STRATEGIES)}")
+    policy = {**DEFAULTS, **knobs}
+    try:
+        BalancePolicy(2, float(policy["threshold"]), None if policy["target"] is None else float(policy["target"]),
+                      int(policy["hold"]), float(policy["cooldown"]), int(policy["window"]), float(policy["min_busy"]))
+    except ValueError as e:
+        raise _UsageError(f"--autobalance: {e}") from None
     return knobs
 
 
