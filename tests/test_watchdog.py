@@ -166,3 +166,177 @@ def test_a_job_stopped_and_continued_as_a_whole_goes_on(tmp_path):
     results = sorted(line.split()[1:] for line in out.splitlines() if line.startswith("RESULT"))
     assert [r[0] for r in results] == ["0", "1"] and sum(int(r[1]) for r in results) == 200
     assert sum(int(r[2]) for r in results) == expected
+
+
+# -- an operator that catches OperatorStuckError -----------------------------------------------------
+def catching(tries: int | None, nap: float = 100.0):
+    """A job whose operator ``Catcher`` calls ``time.sleep(nap)`` in a retry loop that catches every
+    ``Exception``: ``tries`` times (then it fails, saying how many errors it caught), or for ever
+    (``None``)."""
+
+    def main(worker):
+        def logic(x):
+            caught = attempts = 0
+            while tries is None or attempts < tries:
+                attempts += 1
+                try:
+                    time.sleep(nap)  # a call that blocks (a network call without a timeout)
+                except Exception:  # "retry on any error"
+                    caught += 1
+            raise RuntimeError(f"caught {caught}")
+
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            probe = inp.stream.map(logic, name="Catcher").probe()
+        if worker.index == 0:
+            inp.send(1)
+        inp.close()
+        worker.step_while(lambda: not probe.done(), timeout=120)
+
+    return main
+
+
+@pytest.mark.timeout(60)
+def test_an_operator_that_catches_the_error_gets_it_again_every_limit_in_process(capfd):
+    # In the caller's process the watchdog never ends the process: it raises again every limit
+    # seconds, past GIVE_UP_AFTER, for as long as the invocation lasts.
+    from timely.watchdog import GIVE_UP_AFTER
+
+    tries = GIVE_UP_AFTER + 2
+    started = time.monotonic()
+    with pytest.raises(timely.OperatorError) as ei:
+        timely.execute(catching(tries, nap=6.0), workers=1, watchdog=0.5)
+    assert f"caught {tries}" in str(ei.value)  # every sleep was cut short by the watchdog
+    assert time.monotonic() - started < 6  # (about tries * 0.5 s; one error only: 0.5 + (tries - 1) * 6 s)
+    err = capfd.readouterr().err
+    assert err.count("operator 'Catcher' caught the OperatorStuckError") == tries - 1
+    assert "the worker runs in the caller's process, which the watchdog does not end" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_process_whose_operator_swallows_the_error_is_ended_naming_the_operator(capfd):
+    from timely.watchdog import GIVE_UP_AFTER
+
+    started = time.monotonic()
+    # The timeout bounds a watchdog that fails (TimeoutError); supervise reaps the workers either way.
+    with pytest.raises(timely.WorkerOperatorError) as ei:
+        timely.execute(catching(None), workers=2, watchdog=0.5, timeout=20)
+    assert time.monotonic() - started < 12  # about (GIVE_UP_AFTER + 1) * 0.5 s
+    message = str(ei.value)
+    assert message.startswith("worker 0 failed:") and "operator 'Catcher'" in message
+    assert "watchdog limit of 0.5 s" in message and "Remote traceback" in message
+    assert isinstance(ei.value.cause, TimeoutError) and ei.value.operator == "Catcher"
+    err = capfd.readouterr().err
+    assert f"operator 'Catcher' caught the OperatorStuckError {GIVE_UP_AFTER} times" in err
+    assert "ending worker 0's process" in err and "time.sleep(nap)" in err
+
+
+# -- time stopped does not count ---------------------------------------------------------------------
+PAUSED_JOB = """
+import sys, time, timely
+
+def main(worker):
+    def work(x):
+        print("in", flush=True)  # the test stops this process now, for longer than the limit
+        end = time.process_time() + 0.5  # 0.5 s of the process's own time: well under the 3 s limit
+        while time.process_time() < end:
+            pass
+        return x
+
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        probe = inp.stream.map(work, name="Busy").probe()
+    inp.send(1)
+    inp.close()
+    worker.step_while(lambda: not probe.done(), timeout=60)
+    return "done"
+
+try:
+    print("result", timely.execute(main, workers=1, watchdog=3.0), flush=True)  # in this process
+except Exception as e:
+    print("raised", type(e).__name__, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_time_the_process_spent_stopped_does_not_count():
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED_JOB], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "in\n", proc.stderr.read() if proc.stderr else ""
+        os.kill(proc.pid, signal.SIGSTOP)  # Ctrl-Z (or a debugger) in the middle of the invocation ...
+        time.sleep(4.5)  # ... for longer than the limit ...
+        os.kill(proc.pid, signal.SIGCONT)  # ... then fg
+        out, err = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert out.splitlines()[-1] == "result ['done']", err
+    assert "timely watchdog" not in err
+
+
+@pytest.mark.timeout(90)
+def test_a_long_computation_holding_the_gil_is_still_reported():
+    # The watchdog thread cannot run during a C call that holds the GIL, so it wakes late, as after
+    # a pause; but the process used CPU time meanwhile: that time counts, the operator is reported.
+    from timely.watchdog import SELF_PAUSE
+
+    n = 10**6
+    while True:  # a sum(range(n)) (one C call) using more CPU time than a pause the watchdog would not count
+        t = time.process_time()
+        sum(range(n))
+        if time.process_time() - t > SELF_PAUSE + 0.5:
+            break
+        n *= 2
+
+    def main(worker):
+        def crunch(x):
+            while True:
+                sum(range(n))
+
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            probe = inp.stream.map(crunch, name="Crunch").probe()
+        inp.send(1)
+        inp.close()
+        worker.step_while(lambda: not probe.done(), timeout=60)
+
+    with pytest.raises(timely.OperatorStuckError) as ei:
+        timely.execute(main, workers=1, watchdog=0.4)
+    assert ei.value.operator == "Crunch"
+    # Reported once the first call returned, with its whole length (taken for a pause, it would
+    # not count, and the report would come calls later, just past the limit of counted time).
+    assert ei.value.seconds > SELF_PAUSE
+
+
+# -- the error lands only in the invocation it names -------------------------------------------------
+@pytest.mark.timeout(60)
+def test_an_error_that_arrives_after_its_invocation_returned_is_dropped(monkeypatch):
+    class SlowReport:
+        """Standard error on which the watchdog's report takes 2 s to write (a slow terminal or
+        pipe): the invocation returns, and the job reaches Worker.close(), before the error is sent."""
+
+        def __init__(self, stream):
+            self.stream = stream
+
+        def write(self, text):
+            if "timely watchdog" in text:
+                time.sleep(2.0)
+            return self.stream.write(text)
+
+        def flush(self):
+            self.stream.flush()
+
+    import threading
+
+    before = signal.getsignal(signal.SIGUSR1)
+    monkeypatch.setattr(sys, "stderr", SlowReport(sys.stderr))
+    try:
+        # Sleeper naps 1.6 s: past the 1 s limit, but done before the report is written.
+        assert timely.execute(sleepy(1.6), workers=1, watchdog=1.0) == ["done"]
+        assert signal.getsignal(signal.SIGUSR1) is before  # Worker.close() restored it
+        assert not [t for t in threading.enumerate() if t.name.startswith("timely-watchdog")]
+    finally:
+        signal.signal(signal.SIGUSR1, before)

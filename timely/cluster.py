@@ -48,7 +48,7 @@ from .comm.endpoints import free_loopback_ports, ipc_endpoints, loopback_endpoin
 from .comm.errors import PeerLost
 from .comm.secret import JobSecret, resolve
 from .errors import OperatorError, TimelyError
-from .watchdog import StoppedWorkers
+from .watchdog import StoppedWorkers, report_failures_with
 
 if TYPE_CHECKING:
     from .checkpoint.checkpointer import CheckpointConfig
@@ -192,6 +192,9 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
 
     def report(result: Any) -> None:
         _send_report(conn, pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
+
+    # A watchdog whose operator keeps catching its error ends this process, reporting it here first.
+    report_failures_with(functools.partial(_report_failure, conn))
 
     code = 0
     try:

@@ -12,9 +12,27 @@ worker and the worker's Python stack to stderr, then raises :class:`OperatorStuc
 worker's main thread (the job ends, naming the operator), or with ``warn_only`` goes on after the
 report (once per invocation).
 
+An operator may catch the error (a retry loop around a blocking call with ``except Exception``)
+and block again: the watchdog raises it again every ``S`` seconds while the same invocation goes
+on. In a worker process of its own (``timely.launch``, ``timely.execute`` with several workers or a
+timeout), after :data:`GIVE_UP_AFTER` such errors it stops relying on the operator: it reports the
+error to the supervisor (which names the worker and the operator, as for an error the operator let
+through), prints why on stderr and ends the process (exit status 1). A worker running in the
+caller's own process (one worker, no timeout) is never ended that way: there the error is raised
+every ``S`` seconds for as long as the invocation lasts.
+
 The error is delivered by a signal (``SIGUSR1``) to the worker's main thread, so it interrupts a
 sleeping or blocked call at once, and a pure-Python loop at its next bytecode; code stuck inside one
-long C call is reported when the call returns.
+long C call is reported when the call returns. It is raised only inside the invocation it names: an
+invocation that returned between the report and the signal's arrival is let go (its report stays
+printed).
+
+Time the process spent stopped (SIGSTOP, Ctrl-Z then ``fg``, a debugger) does not count: when the
+watchdog's own wait (a second at most) ends more than :data:`SELF_PAUSE` seconds late, beyond the
+CPU time the process used meanwhile, that time is taken off the current invocation. A C call that
+holds the GIL and computes (the watchdog cannot run meanwhile either) uses CPU time, so it still
+counts; one that holds the GIL while it blocks, and a process left without a CPU for over a second
+(an overloaded host), look like a pause and do not count.
 
 The stopped-worker watch (:class:`StoppedWorkers`, in the supervisor): a worker process stopped by
 SIGSTOP / SIGTSTP for longer than a grace period is named, so that the supervisor ends the job
@@ -22,19 +40,28 @@ instead of waiting for it (:func:`timely.cluster.supervise`).
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import FrameType
 
 from .errors import OperatorStuckError
 
 #: Seconds between two checks (at most; a short limit checks more often).
 CHECK_EVERY = 1.0
-#: A gap this long (seconds) between two rounds of the supervisor means it was stopped itself.
+#: A gap this long (seconds) between two rounds of the supervisor, or past the end of a wait of the
+#: watchdog (with no CPU time used meanwhile), means the process was stopped itself.
 SELF_PAUSE = 1.0
+#: How many times the watchdog raises :class:`OperatorStuckError` in one invocation (one every
+#: ``limit`` seconds) before it ends a worker process whose operator keeps catching it.
+GIVE_UP_AFTER = 3
+#: Seconds the watchdog gives its last words (stderr, the job's buffered stdout) before it ends the
+#: process anyway (a stuck operator may hold those streams).
+LAST_WORDS = 2.0
 
 
 class Watchdog:
@@ -47,7 +74,8 @@ class Watchdog:
         self.worker = worker
         self.warn_only = warn_only
         self.current: tuple[str, float] | None = None  # (operator, monotonic start) of the invocation
-        self._error: OperatorStuckError | None = None
+        # The error to raise, with the invocation (the very tuple of ``current``) it is meant for.
+        self._pending: tuple[tuple[str, float], OperatorStuckError] | None = None
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
         self._previous_handler: object = None
@@ -68,6 +96,7 @@ class Watchdog:
         self._stop.set()
         self._thread.join()
         self._thread = None
+        self._pending = None
         signal.signal(signal.SIGUSR1, self._previous_handler)  # type: ignore[arg-type]
 
     def enter(self, operator: str) -> None:
@@ -79,27 +108,114 @@ class Watchdog:
         self.current = None
 
     def _raise(self, signum: int, frame: FrameType | None) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        # Runs in the main thread, the only one that changes ``current``: the error is raised only
+        # in the invocation it is meant for, not in whatever runs after that invocation returned
+        # (another operator, or Worker.close(), which must get to stop()).
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is self.current:
+            raise pending[1]
 
     def _watch(self) -> None:
-        reported: tuple[str, float] | None = None
-        while not self._stop.wait(min(CHECK_EVERY, self.limit / 4)):
+        interval = min(CHECK_EVERY, self.limit / 4)
+        watched: tuple[str, float] | None = None  # the invocation the counts below are about
+        paused = 0.0  # seconds of it the process spent stopped
+        raised = 0  # errors raised in it (warn-only: reports printed)
+        while True:
+            mark, cpu = time.monotonic(), time.process_time()
+            if self._stop.wait(interval):
+                return
+            now = time.monotonic()
+            # How much longer than asked the wait lasted, less the CPU time the process used
+            # meanwhile: the process was stopped (SIGSTOP, Ctrl-Z, a debugger) for about that long.
+            # (A computation that starves this thread of the GIL uses CPU time: it is not a pause.)
+            stalled = (now - mark - interval) - (time.process_time() - cpu)
             current = self.current
-            if current is None or current is reported or time.monotonic() - current[1] < self.limit:
+            if current is not watched:
+                watched, paused, raised = current, 0.0, 0
+            if current is None:
                 continue
-            reported = current
             operator, started = current
-            frame = sys._current_frames().get(self._main)  # type: ignore[arg-type]
-            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)\n"
-            seconds = time.monotonic() - started
-            message = (f"worker {self.worker}: operator '{operator}' has run for {seconds:.1f} s in one invocation "
-                       f"(watchdog limit {self.limit:g} s); its stack:\n{stack}")
-            print(f"timely watchdog: {message}", file=sys.stderr, flush=True)
+            if stalled > SELF_PAUSE and started < mark + interval:
+                paused += stalled  # the invocation began before the pause (not after the process resumed)
+            seconds = now - started - paused
+            if seconds < self.limit * (raised + 1) or self.warn_only and raised:
+                continue
+            raised += 1
+            stack = self._stack()
+            if self.warn_only or raised == 1:
+                message = (f"worker {self.worker}: operator '{operator}' has run for {seconds:.1f} s in one "
+                           f"invocation (watchdog limit {self.limit:g} s); its stack:\n{stack}")
+            elif raised <= GIVE_UP_AFTER or (report := self._report_pipe()) is None:
+                message = (f"worker {self.worker}: operator '{operator}' caught the OperatorStuckError and is "
+                           f"still in the same invocation after {seconds:.1f} s; raising it again")
+                if raised > GIVE_UP_AFTER:
+                    message += " (the worker runs in the caller's process, which the watchdog does not end)"
+            else:
+                self._give_up(report, current, seconds, stack)
+                continue  # (the invocation ended meanwhile)
+            try:
+                _say(f"timely watchdog: {message}")
+            except Exception:  # (stderr closed: the error still goes)
+                pass
             if not self.warn_only:
-                self._error = OperatorStuckError(operator, self.worker, seconds, self.limit, stack)
+                self._pending = (current, OperatorStuckError(operator, self.worker, seconds, self.limit, stack))
                 signal.pthread_kill(self._main, signal.SIGUSR1)  # type: ignore[arg-type]
+
+    def _stack(self) -> str:
+        """The main thread's Python stack, as text."""
+        frame = sys._current_frames().get(self._main)  # type: ignore[arg-type]
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)\n"
+
+    @staticmethod
+    def _report_pipe() -> Callable[[BaseException], None] | None:
+        """How this worker process reports a failure to its supervisor (:func:`report_failures_with`),
+        or ``None`` where the worker is not a process of its own (it runs in the caller's process,
+        which the watchdog must not end)."""
+        return _process_report
+
+    def _give_up(self, report: Callable[[BaseException], None], current: tuple[str, float], seconds: float,
+                 stack: str) -> None:
+        """End this worker process, whose operator caught :data:`GIVE_UP_AFTER` errors and is still
+        in the invocation ``current``: ``report`` the error to the supervisor as the worker's
+        failure, say so on stderr, and exit with status 1."""
+        if self.current is not current:
+            return
+        operator = current[0]
+        error = OperatorStuckError(operator, self.worker, seconds, self.limit, stack)
+        # Whatever blocks below (a stuck operator may hold stderr or stdout), the process ends.
+        threading.Thread(target=_exit_after, args=(LAST_WORDS,), daemon=True).start()
+        report(error)  # the supervisor names the worker and the operator
+        try:
+            _say(f"timely watchdog: worker {self.worker}: operator '{operator}' caught the OperatorStuckError "
+                 f"{GIVE_UP_AFTER} times and has run for {seconds:.1f} s in one invocation (watchdog limit "
+                 f"{self.limit:g} s); ending worker {self.worker}'s process; its stack:\n{stack}")
+            sys.stdout.flush()
+        except BaseException:
+            pass
+        os._exit(1)
+
+
+#: How this process, a worker process of its own, reports a failure to its supervisor; ``None`` in
+#: any other process (the caller's, running one worker in-process), which the watchdog never ends.
+_process_report: Callable[[BaseException], None] | None = None
+
+
+def report_failures_with(report: Callable[[BaseException], None]) -> None:
+    """Declare this process a worker process of its own whose failures go to its supervisor through
+    ``report`` (called by the process's body, :func:`timely.cluster._child`, before the job runs)."""
+    global _process_report
+    _process_report = report
+
+
+def _say(line: str) -> None:
+    """Write ``line`` to stderr in one write (the workers share it: lines written in pieces interleave)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _exit_after(seconds: float) -> None:
+    time.sleep(seconds)
+    os._exit(1)
 
 
 class StoppedWorkers:
