@@ -8,8 +8,10 @@ logged by every worker. After a restart from the checkpoint at epoch ``R`` the s
 logged epochs ``R, R+1, ...`` that every worker logged (the *complete* prefix; a later epoch some
 worker did not log was never acknowledged, and its number is reused), and worker 0's ledger
 knows their batches, so Spark retrying such a commit is answered as a duplicate. The ledger of
-committed batches before ``R`` is checkpoint state (participant ``spark/<source>``). Log files of
-epochs a committed checkpoint covers are deleted.
+committed batches before ``R`` is checkpoint state (participant ``spark/<source>``): every batch of
+a batch-write query, and the newest batch of a streaming query (the rest are below its watermark),
+so a checkpoint does not grow with a streaming query's age. Log files of epochs a committed
+checkpoint covers are deleted.
 
 Sink side, :class:`SinkDurability`: a sink is a participant (``spark-sink/<sink>``) that offers,
 at each checkpoint epoch ``c``, the Arrow IPC of its complete epochs ``< c`` no reader has
@@ -242,6 +244,21 @@ def ledger_entries(blobs: dict[str, bytes]) -> Iterator[Entry]:
             yield key[2:], int(batch), bool(body["final"]), int(epoch)
 
 
+def _as_of(history: Iterable[Entry], c: int) -> list[Entry]:
+    """The ledger entries a checkpoint at epoch ``c`` saves: those committed before ``c``, and of a
+    streaming query only its newest (a retry of an older batch is below its watermark)."""
+    entries: list[Entry] = []
+    newest: dict[str, Entry] = {}
+    for e in history:
+        if e[3] >= c:
+            continue
+        if e[2]:
+            entries.append(e)
+        elif e[0] not in newest or e[1] > newest[e[0]][1]:
+            newest[e[0]] = e
+    return [*entries, *newest.values()]
+
+
 # -- the participants ------------------------------------------------------------------------------
 def _checkpoint_epochs(ck: Any, after: int, upto: int | None) -> Iterator[int]:
     """The checkpoint epochs ``after < c <= upto``, in order."""
@@ -270,6 +287,7 @@ class SourceDurability:
         staging.restore(entries)
         if index == 0:
             ledger.restore(entries, replay)
+            ledger.retain_from(self.offered)  # what the next checkpoint needs, and each query's newest
         self._ledger = ledger
         self.log.truncate(ck.resume_epoch)
 
@@ -288,10 +306,12 @@ class SourceDurability:
         for c in _checkpoint_epochs(self.ck, self.offered, frontier):
             changed: dict[str, bytes | None] = {}
             if self.index == 0:
-                entries = [e for e in self._ledger.history() if e[3] < c]
+                entries = _as_of(self._ledger.history(), c)
                 changed = ledger_blobs(entries, {e[0] for e in entries if e[3] >= self.offered})
             self.participant.offer(c, changed)
             self.offered = c
+            if self.index == 0:
+                self._ledger.retain_from(c)
             latest = self.ck.store.latest()
             if latest is not None:
                 self.log.truncate(latest.epoch)
@@ -299,6 +319,8 @@ class SourceDurability:
     def close(self) -> None:
         """The source ended: its ledger will not change again."""
         self.participant.close()
+        if self.index == 0:
+            self._ledger.retain_from(None)  # no checkpoint to come
 
 
 class SinkDurability:

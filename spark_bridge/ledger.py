@@ -13,9 +13,17 @@ per worker, so only those attempts' rows are ever emitted, and every other attem
 dropped when the decision arrives. And a batch is decided at most once: the ledger answers a
 repeated commit from ``committed`` (or, for streaming queries, from the watermark of the highest
 committed batch) without a new decision.
+
+The ledger stays bounded for streaming queries, which commit a micro-batch per trigger for as long
+as the job runs: a streaming query's batch at or below its watermark is a duplicate whatever its
+number, so the ledger keeps only its newest committed batch (the one Spark retries after a restart,
+answered with its epoch as before; an older one is answered as a duplicate without its epoch), and,
+with checkpoints, the batches a checkpoint not yet offered needs (:meth:`CommitLedger.retain_from`).
+A batch-write query's batch is kept for good.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -255,7 +263,11 @@ class CommitLedger:
     def __init__(self, name: str) -> None:
         self.name = name
         self._decisions: deque[Decision] = deque()
-        self._committed: dict[Key, int] = {}  # -> epoch
+        # -> epoch: every batch-write query's batch, and the batches of each streaming query that
+        # ``_floor`` keeps (``_batches``; the ones below them are answered from the watermark)
+        self._committed: dict[Key, int] = {}
+        self._batches: dict[str, deque[int]] = {}  # streaming query -> its batches in ``_committed``, ascending
+        self._floor: int | None = None  # see retain_from
         self._finals: set[str] = set()  # the batch-write queries among them
         self._watermark: dict[str, int] = {}  # query -> highest committed batch (streaming queries)
         self._queued: dict[str, int] = {}  # query -> highest batch with a commit decision (streaming queries)
@@ -289,10 +301,11 @@ class CommitLedger:
             return self._pending(key) if progress else None
         if key in self._committed:
             return P.ok(epoch=self._committed[key], duplicate=True, rows=0)
+        if not final and batch <= self._watermark.get(query, -1):
+            # Decided: a committed batch of a streaming query older than its newest is not kept.
+            return P.ok(epoch=None, duplicate=True, rows=0)
         if stopping is not None:
             return P.error(stopping, "stopping")
-        if not final and batch <= self._watermark.get(query, -1):
-            return P.ok(epoch=None, duplicate=True, rows=0)
         if not self.open:
             return P.error(f"stream '{self.name}' is closed: commit of batch {batch} rejected", "stopping")
         if not final and batch < self._queued.get(query, -1):
@@ -313,6 +326,8 @@ class CommitLedger:
     def _pending(self, key: Key) -> dict:
         """The ``pending`` reply of a decided commit that waits for every worker to emit its epoch."""
         epoch = self._committed.get(key)
+        if epoch is None:  # a published streaming batch that a newer one of its query superseded
+            epoch = next((e for e, k, _ in self._acks if k == key), None)
         at = "queued for the next epoch" if epoch is None else f"published at epoch {epoch}"
         return P.error(f"stream '{self.name}': the commit of query {key[0]} batch {key[1]} is decided ({at}) and "
                        f"waits for every worker to emit it", "pending", epoch=epoch)
@@ -320,8 +335,8 @@ class CommitLedger:
     def request_abort(self, query: str, batch: int, tokens: list, final: bool) -> dict:
         """An abort request: queues an abort decision unless the batch is (being) committed."""
         key = (query, batch)
-        if key in self._committed or key in self._waiting:
-            return P.ok(ignored=True)
+        if key in self._committed or key in self._waiting or (not final and batch <= self._watermark.get(query, -1)):
+            return P.ok(ignored=True)  # (a streaming query's batches below its newest are not kept)
         if self.open:
             self._decisions.append(Decision(Request.ABORT, query, batch, tokens, final))
         return P.ok()
@@ -351,11 +366,15 @@ class CommitLedger:
         """The commit ``decision`` was published at ``epoch``."""
         query, batch = decision.query, decision.batch
         assert query is not None and batch is not None, "only commit decisions are committed"
+        new = (query, batch) not in self._committed  # not new: the replay of a restored batch
         self._committed[(query, batch)] = epoch
         if decision.final:
             self._finals.add(query)
         else:
             self._watermark[query] = max(batch, self._watermark.get(query, -1))
+            if new:
+                self._keep(query, [batch])
+            self._prune(query)
         self._acks.append((epoch, (query, batch), decision.rows))
         self.epochs += 1
         self.rows += decision.rows
@@ -364,24 +383,57 @@ class CommitLedger:
         """After a restart: the batches committed before it (``entries``), answered as duplicates
         from now on, and the logged epochs to publish again first (``replay``: objects with
         ``query``, ``batch``, ``final``, ``total`` and ``epoch``, in epoch order)."""
+        streaming: dict[str, list[int]] = {}
         for query, batch, final, epoch in entries:
+            if not final and (query, batch) not in self._committed:
+                streaming.setdefault(query, []).append(batch)
             self._committed[(query, batch)] = epoch
             if final:
                 self._finals.add(query)
             else:
                 self._watermark[query] = max(batch, self._watermark.get(query, -1))
                 self._queued[query] = max(batch, self._queued.get(query, -1))
+        for query, batches in streaming.items():
+            self._keep(query, batches)  # pruned at retain_from or the query's next commit
         for r in replay:
             self._decisions.append(Decision(REPLAY, r.query, r.batch, None, r.final, r.total, r.epoch))
 
+    def _keep(self, query: str, batches: list[int]) -> None:
+        """Track these new batches of streaming ``query`` (already in ``_committed``) in ``_batches``."""
+        kept = self._batches.setdefault(query, deque())
+        kept.extend(batches)
+        if any(a >= b for a, b in zip(kept, itertools.islice(kept, 1, None))):
+            self._batches[query] = deque(sorted(set(kept)))
+
+    def _prune(self, query: str) -> None:
+        """Forget the batches of streaming ``query`` that neither answer a retry with their epoch (its
+        newest) nor belong to a checkpoint still to be offered (see :meth:`retain_from`). A query's
+        batches are committed in batch order, so its epochs ascend with its batches."""
+        kept = self._batches.get(query)
+        while kept is not None and len(kept) > 1 and (
+                self._floor is None or self._committed[(query, kept[1])] < self._floor):
+            del self._committed[(query, kept.popleft())]
+
+    def retain_from(self, epoch: int | None) -> None:
+        """Which batches of streaming queries :meth:`history` keeps. ``epoch``: the checkpoint epoch
+        offered last (the next checkpoint, at ``c > epoch``, saves each query's newest batch committed
+        before ``c``): each query's batches committed at ``epoch`` or later, and its newest before
+        ``epoch``. None (the default: no checkpoint to come): each query's newest batch only."""
+        self._floor = epoch
+        for query in self._batches:
+            self._prune(query)
+
     def history(self) -> Iterator[Entry]:
-        """Every committed batch (restored ones included)."""
+        """The committed batches kept (restored ones included): every batch-write query's, and the
+        batches of each streaming query that :meth:`retain_from` keeps (its newest at least)."""
         for (query, batch), epoch in self._committed.items():
             yield query, batch, query in self._finals, epoch
 
     def is_committed(self, query: str, batch: int) -> bool:
-        """Whether ``(query, batch)`` was published."""
-        return (query, batch) in self._committed
+        """Whether ``(query, batch)`` is decided as committed: published, or for a streaming query at
+        or below its watermark (its older batches are not kept, and a retry of one is a duplicate)."""
+        return (query, batch) in self._committed or (
+            query not in self._finals and batch <= self._watermark.get(query, -1))
 
     def acknowledge(self, passed: Callable[[int], bool]) -> list[Reply]:
         """Answer the commits whose epoch every worker has emitted (``passed(epoch)``)."""

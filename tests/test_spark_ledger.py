@@ -173,10 +173,15 @@ def test_streaming_replays_below_the_watermark_are_duplicates():
         c.commit("s", b, c.tokens(t), final=False)
     c.publish()
     c.advance()
-    t, replies = c.write("s", 1, [1, 0])  # a replay after a restart
+    t, replies = c.write("s", 2, [1, 0])  # Spark's replay of its latest batch after a restart
+    assert replies[0]["duplicate"]
+    replay = c.commit("s", 2, c.tokens(t), final=False)
+    assert c.replies[replay] == [{"ok": True, "epoch": 2, "duplicate": True, "rows": 0}]
+    # an older batch: still a duplicate; its epoch is not kept (the ledger keeps a query's newest)
+    t, replies = c.write("s", 1, [1, 0])
     assert replies[0]["duplicate"]
     replay = c.commit("s", 1, c.tokens(t), final=False)
-    assert c.replies[replay] == [{"ok": True, "epoch": 1, "duplicate": True, "rows": 0}]
+    assert c.replies[replay] == [{"ok": True, "epoch": None, "duplicate": True, "rows": 0}]
     # a batch id skipped by the query but below its watermark: nothing to publish
     skipped = c.commit("s", -1, [], final=False)
     assert c.replies[skipped] == [{"ok": True, "epoch": None, "duplicate": True, "rows": 0}]
