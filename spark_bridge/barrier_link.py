@@ -30,7 +30,8 @@ class DriverLink:
     """The driver's listener: collects the events of one barrier job (see the module).
 
     ``bind`` is the interface to listen on, ``advertise`` the host the tasks connect to;
-    ``on_event`` (if given) is called with every accepted event, on the listener's thread.
+    ``on_event`` (if given) is called with every accepted event, on the listener's thread, before
+    the event is in :attr:`events` (so before :meth:`wait_for` or :meth:`snapshot` can return it).
     """
 
     def __init__(self, bind: str, advertise: str, key: str, on_event: Callable[[dict], None] | None = None) -> None:
@@ -63,14 +64,16 @@ class DriverLink:
                 event = _read_event(conn, self.key)
             if event is None:
                 continue
-            with self._cond:
-                self.events.append(event)
-                self._cond.notify_all()
+            # on_event first (it counts the runs): whoever sees the event in events or wait_for
+            # sees what on_event derived from it too.
             if self.on_event is not None:
                 try:
                     self.on_event(event)
                 except Exception as e:  # a logging callback must not stop the listener
                     print(f"spark_bridge: barrier job event handler failed: {e!r}", file=sys.stderr)
+            with self._cond:
+                self.events.append(event)
+                self._cond.notify_all()
 
     def wait_for(self, match: Callable[[dict], bool], timeout: float, stop: Callable[[], bool] = lambda: False) -> dict:
         """The newest event ``match`` accepts, waiting up to ``timeout`` seconds (or until ``stop()``)

@@ -47,14 +47,33 @@ _ctx_pid: int | None = None
 _links: dict[tuple, WorkerLink] = {}  # (thread, endpoint, secret) -> link: ZeroMQ sockets are not thread-safe
 
 
+_ctx_lock = threading.Lock()  # held to create the context (threads making their first call at once)
+
+
+def _after_fork_in_child() -> None:
+    global _ctx_lock
+    _ctx_lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def context() -> zmq.Context:
-    """This process's ZeroMQ context (created after any fork)."""
+    """This process's ZeroMQ context (created after any fork; one per process, whatever the
+    threads asking at once)."""
     global _ctx, _ctx_pid, _links
-    if _ctx is None or _ctx_pid != os.getpid():
-        _ctx = zmq.Context()
-        _ctx_pid = os.getpid()
-        _links = {}
-    return _ctx
+    pid = os.getpid()
+    if _ctx_pid == pid:  # (read before _ctx: both are set, _ctx first, under the lock)
+        ctx = _ctx
+        if ctx is not None:
+            return ctx
+    with _ctx_lock:
+        if _ctx is None or _ctx_pid != pid:
+            _ctx = zmq.Context()
+            _ctx_pid = pid
+            _links = {}
+        return _ctx
 
 
 def seconds(value: Any, name: str = "timeout") -> float:

@@ -47,6 +47,8 @@ JOB = "timely"
 POLL = 0.05
 #: Parts that may wait for the background writer before an offer blocks (back pressure).
 MAX_QUEUED = 4
+#: Seconds :meth:`Checkpointer.close` waits for a write in progress to end.
+CLOSE_WAIT = 5.0
 #: Seconds worker 0 waits, when the job ends, for the parts of the epochs it wrote to be committed.
 FINAL_COMMIT_WAIT = 2.0
 #: The key of the runtime's own entry in a part's meta (next to each participant's meta, by name).
@@ -146,6 +148,7 @@ class Checkpointer:
         self._offers: dict[int, dict[str, tuple[dict[str, Blob | None], Any]]] = {}
         self._meta: dict[str, Any] = {}  # each participant's meta in the newest part handed to the writer
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(MAX_QUEUED)
+        self._closing = threading.Event()  # set by close(): the writer drops every task it has not begun
         self._error: BaseException | None = None
         self._handed: int = self.resume_epoch  # the newest epoch handed to the writer (part or reached)
         self._committed: int = self.resume_epoch  # worker 0: the newest epoch committed
@@ -256,13 +259,25 @@ class Checkpointer:
         log.debug("worker %d checkpoint stats: %s", self.index, self._stats)
 
     def close(self) -> None:
-        """Stop the background thread (parts not yet written are dropped); idempotent."""
-        if self._thread.is_alive():
+        """Stop the background thread: the writes and commit checks still queued are dropped (a
+        write already begun is finished; :meth:`flush` first writes everything). Waits up to
+        :data:`CLOSE_WAIT` seconds for the thread, which ends after that write in any case. Idempotent."""
+        if not self._thread.is_alive():
+            return
+        self._closing.set()  # (the writer runs no task from now on)
+        while True:
             try:
-                self._queue.put(None, timeout=1.0)
-            except queue.Full:
-                return  # daemon thread: it ends with the process
-            self._thread.join(5.0)
+                while True:  # drop the queued tasks
+                    self._queue.get_nowait()
+                    self._queue.task_done()
+            except queue.Empty:
+                pass
+            try:
+                self._queue.put_nowait(None)
+                break
+            except queue.Full:  # (only with tasks queued by another thread meanwhile: drop them too)
+                continue
+        self._thread.join(CLOSE_WAIT)
 
     # -- internals --------------------------------------------------------------------------------
     def _offer(self, p: Participant, epoch: int, changed: dict[str, Blob | None], meta: Any) -> None:
@@ -316,7 +331,7 @@ class Checkpointer:
             try:
                 if task is None:
                     return
-                if self._error is None:
+                if self._error is None and not self._closing.is_set():
                     task()
             except CheckpointError as e:
                 self._error = e

@@ -13,6 +13,7 @@ Without one, ``worker.metrics.snapshot()`` still reads the worker's own counters
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -26,30 +27,63 @@ def attach(worker: Any, config: MetricsConfig | None = None) -> WorkerMetrics:
     """The metrics of ``worker`` (its ``metrics`` attribute): counters always; with ``config``
     (default: from :data:`ENV`) the reporter, and on worker 0 the hub, the Prometheus endpoint and
     the dashboard (:mod:`timely.dashboard`).
-    A port that cannot be served is reported on stderr and the job runs on."""
+    A port that cannot be served, or an optional dependency that is not installed (``prometheus-client``,
+    ``pip install timely-py[metrics]``; ``flask``, ``pip install timely-py[dashboard]``), is reported on
+    stderr and the job runs on without that endpoint. Should anything else fail, what was started is
+    closed before the error propagates (the caller never saw the metrics, so could not close them)."""
     metrics = WorkerMetrics(worker)
     config = config if config is not None else MetricsConfig.from_env()
     metrics.config = config
     if config is None:
         return metrics
+    try:
+        _start(metrics, worker, config)
+    except BaseException:
+        with contextlib.suppress(Exception):  # (the original error is the one to see)
+            metrics.close()
+        raise
+    return metrics
+
+
+def _start(metrics: WorkerMetrics, worker: Any, config: MetricsConfig) -> None:
+    """Start what ``config`` asks for, recording each thing in ``metrics`` as soon as it runs (so
+    that ``metrics.close()`` stops it)."""
     if worker.index == 0:
         try:
             metrics.hub = Hub(config.hub if worker.peers > 1 else None, worker.peers)
         except OSError as e:
             sys.stderr.write(f"timely.metrics: error: {e}; the job runs without metrics collection\n")
-            return metrics
+            return
         if config.port is not None:
-            from .prometheus import serve  # (prometheus-client: only where the endpoint is asked for)
-
-            server = serve(metrics.hub, config.port, config.host)
-            if server is not None:
-                metrics.servers.append(server)
+            try:
+                from .prometheus import serve  # (prometheus-client: only where the endpoint is asked for)
+            except ImportError as e:
+                if not _third_party(e):
+                    raise
+                sys.stderr.write(f"timely.metrics: error: the Prometheus endpoint needs prometheus-client "
+                                 f"(pip install timely-py[metrics]): {e}; the job runs without the Prometheus endpoint\n")
+            else:
+                server = serve(metrics.hub, config.port, config.host)
+                if server is not None:
+                    metrics.servers.append(server)
         if config.dashboard is not None:
-            from ..dashboard import serve as serve_dashboard  # (flask: only where the dashboard is asked for)
-
-            metrics.dashboard = serve_dashboard(metrics, config.dashboard, config.host)
-            if metrics.dashboard is not None:
-                metrics.servers.append(metrics.dashboard)
+            try:
+                from ..dashboard import serve as serve_dashboard  # (flask: only where the dashboard is asked for)
+            except ImportError as e:
+                if not _third_party(e):
+                    raise
+                sys.stderr.write(f"timely.dashboard: error: the dashboard needs Flask (pip install timely-py[dashboard]): "
+                                 f"{e}; the job runs without the dashboard\n")
+            else:
+                metrics.dashboard = serve_dashboard(metrics, config.dashboard, config.host)
+                if metrics.dashboard is not None:
+                    metrics.servers.append(metrics.dashboard)
     if worker.index == 0 or config.hub is not None:
         metrics.reporter = Reporter(metrics.snapshot, config.interval, metrics.hub, config.hub)
-    return metrics
+
+
+def _third_party(error: ImportError) -> bool:
+    """True when ``error`` is about a module outside timely (an optional dependency not installed,
+    or installed incompletely), not a fault of timely's own modules."""
+    name = error.name or ""
+    return bool(name) and name != "timely" and not name.startswith("timely.")

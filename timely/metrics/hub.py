@@ -10,6 +10,8 @@ the hub of worker 0. A snapshot that cannot be sent at once (worker 0 gone or sl
 """
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -18,9 +20,90 @@ from typing import Any
 import msgpack
 import zmq
 
+#: Seconds :meth:`Reporter.stop` waits for the reporter's thread (its last report and socket close).
+STOP_WAIT = 2.0
+
 
 def _rate(new: float, old: float, seconds: float) -> float:
     return (new - old) / seconds if seconds > 0 else 0.0
+
+
+def _integer(x: Any) -> bool:
+    """An integer (not a bool): Python's or numpy's."""
+    return type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Integral))
+
+
+def _number(x: Any) -> bool:
+    """A finite real number (not a bool): rates are differences of them, and NaN is not JSON."""
+    if type(x) is int:
+        return True
+    if type(x) is float:
+        return math.isfinite(x)
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return False
+    return isinstance(x, numbers.Integral) or math.isfinite(float(x))
+
+
+def _numbers(xs: Any) -> bool:
+    return isinstance(xs, (list, tuple)) and all(_number(x) for x in xs)
+
+
+def _operator_row(row: Any) -> bool:
+    """``[dataflow, index, name, records_in, records_out, busy_seconds, activations]``."""
+    return (isinstance(row, (list, tuple)) and len(row) >= 7 and isinstance(row[0], str) and _integer(row[1])
+            and isinstance(row[2], str) and all(_number(v) for v in row[3:7]))
+
+
+def _source(src: Any) -> bool:
+    """A source's figures as :meth:`Hub.view` reads them (kinds "bins" and "counters"; others are kept
+    as they are, a dict, and not read)."""
+    if not isinstance(src, dict):
+        return False
+    kind = src.get("kind")
+    if kind == "bins":
+        records: Any = src.get("records")
+        state: Any = src.get("state")
+        owned: Any = src.get("owned", ())
+        counters: Any = src.get("counters", {})
+        return (_numbers(records) and _numbers(state) and len(records) == len(state)
+                and isinstance(owned, (list, tuple)) and all(_integer(b) and 0 <= b < len(records) for b in owned)
+                and isinstance(counters, dict) and all(isinstance(k, str) and _number(v) for k, v in counters.items()))
+    if kind == "counters":
+        values = src.get("values", {})
+        return (isinstance(src.get("prefix", ""), str) and isinstance(values, dict)
+                and all(isinstance(k, str) and (v is None or isinstance(v, (str, bool)) or _number(v))
+                        for k, v in values.items()))
+    return True
+
+
+def _checked(snap: Any, peers: int) -> dict | None:
+    """``snap`` if :meth:`Hub.view` can read it (a copy without its malformed optional entries), else
+    None. Required: ``worker`` (an index below ``peers``), ``mono`` (a finite number), ``operators``
+    (rows, see :func:`_operator_row`), ``received_bytes`` and ``backlog_bytes`` (numbers)."""
+    if not isinstance(snap, dict):
+        return None
+    w: Any = snap.get("worker")
+    if not (_integer(w) and 0 <= w < peers and _number(snap.get("mono")) and _number(snap.get("received_bytes"))
+            and _number(snap.get("backlog_bytes"))):
+        return None
+    ops = snap.get("operators")
+    if not isinstance(ops, (list, tuple)) or not all(_operator_row(r) for r in ops):
+        return None
+    out = dict(snap)
+    out["worker"] = int(w)
+    lags = snap.get("lags")
+    out["lags"] = {name: {"frontier": lag.get("frontier"), "lag_s": lag.get("lag_s")}
+                   for name, lag in (lags.items() if isinstance(lags, dict) else ())
+                   if isinstance(name, str) and isinstance(lag, dict)
+                   and (lag.get("lag_s") is None or _number(lag.get("lag_s")))
+                   and (lag.get("frontier") is None or isinstance(lag.get("frontier"), str) or _number(lag.get("frontier")))}
+    sources = snap.get("sources")
+    out["sources"] = {name: src for name, src in (sources.items() if isinstance(sources, dict) else ())
+                      if isinstance(name, str) and _source(src)}
+    ck = snap.get("checkpoint")
+    if ck is not None and not (isinstance(ck, dict) and all(isinstance(k, str) and _number(v) for k, v in ck.items())):
+        out["checkpoint"] = None
+    return out
 
 
 class Hub:
@@ -33,6 +116,7 @@ class Hub:
         self._latest: dict[int, dict] = {}
         self._previous: dict[int, dict] = {}
         self.received = 0  # snapshots taken in
+        self.rejected = 0  # messages dropped as malformed (see put)
         self._stop = threading.Event()
         self._ctx: zmq.Context | None = None
         self._thread: threading.Thread | None = None
@@ -52,6 +136,7 @@ class Hub:
             self._thread.start()
 
     def _serve(self, sock: zmq.Socket) -> None:
+        # Invariant: no message ends this thread (a bad one is counted in ``rejected`` and skipped).
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         try:
@@ -60,23 +145,38 @@ class Hub:
                     continue
                 try:
                     snap = msgpack.unpackb(sock.recv(zmq.NOBLOCK), raw=False, strict_map_key=False)
-                except (zmq.Again, ValueError, msgpack.UnpackException):
+                except zmq.Again:
                     continue
-                if isinstance(snap, dict) and isinstance(snap.get("worker"), int):
+                except Exception:  # (not msgpack, or msgpack of no Python value)
+                    self._reject()
+                    continue
+                try:
                     self.put(snap)
+                except Exception:  # (put checks every field view() reads; this is the last guard)
+                    self._reject()
         finally:
             sock.close(0)
 
-    def put(self, snap: dict) -> None:
-        """Take one worker's snapshot (the previous one is kept for rates)."""
-        w = snap["worker"]
+    def _reject(self) -> None:
         with self._lock:
+            self.rejected += 1
+
+    def put(self, snap: dict) -> None:
+        """Take one worker's snapshot (the previous one is kept for rates). A snapshot without the
+        fields :meth:`view` reads, or with values of other types, is counted in :attr:`rejected` and
+        dropped; malformed optional entries (a lag, a source, the checkpoint's figures) are left out."""
+        clean = _checked(snap, self.peers)
+        with self._lock:
+            if clean is None:
+                self.rejected += 1
+                return
+            w = clean["worker"]
             old = self._latest.get(w)
-            if old is not None and old.get("mono", 0) >= snap.get("mono", 0):
+            if old is not None and old["mono"] >= clean["mono"]:
                 return  # out of order
             if old is not None:
                 self._previous[w] = old
-            self._latest[w] = snap
+            self._latest[w] = clean
             self.received += 1
 
     def latest(self) -> dict[int, dict]:
@@ -137,6 +237,8 @@ class Hub:
                 nb = len(src["records"])
                 agg = bins.setdefault(name, {"records_per_s": [0.0] * nb, "records": [0] * nb, "state": [0] * nb,
                                              "owner": [-1] * nb, "workers": {}, "reports": {}})
+                if len(agg["records"]) != nb:
+                    continue  # (another worker reported another number of bins: not the same source)
                 olds = (old or {}).get("sources", {}).get(name)
                 for b in range(nb):
                     agg["records"][b] += src["records"][b]
@@ -163,7 +265,10 @@ class Hub:
 
 class Reporter:
     """A worker's background thread: ``snapshot()`` every ``interval`` seconds, handed to ``hub``
-    (worker 0) or pushed to ``address`` (the others); a last one when stopped."""
+    (worker 0) or pushed to ``address`` (the others); a last one when stopped.
+
+    Invariant: only the reporter's thread uses its ZeroMQ socket (a socket is not thread-safe); it
+    also sends the last report and closes the socket and its context when stopped."""
 
     def __init__(self, snapshot: Callable[[], dict], interval: float, hub: Hub | None = None,
                  address: str | None = None) -> None:
@@ -184,11 +289,18 @@ class Reporter:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.report()
+        try:
+            while not self._stop.wait(self.interval):
+                self.report()
+            self.report()  # the last one
+        finally:
+            if self._sock is not None:
+                self._sock.close(500)  # (up to 0.5 s to deliver the last report)
+            if self._ctx is not None:
+                self._ctx.term()
 
     def report(self) -> None:
-        """Take and hand over one snapshot now."""
+        """Take and hand over one snapshot now (on the reporter's thread: it pushes on its socket)."""
         try:
             snap = self.snapshot()
         except Exception:  # (a counter changed shape under the thread: skip this interval)
@@ -198,18 +310,15 @@ class Reporter:
         elif self._sock is not None:
             try:
                 self._sock.send(msgpack.packb(snap, use_bin_type=True, default=repr), zmq.NOBLOCK)
-            except zmq.Again:
+            except (zmq.ZMQError, ValueError, TypeError, OverflowError):  # (worker 0 slow or gone; a value msgpack refuses)
                 return
         self.sent += 1
 
     def stop(self) -> None:
-        """Stop the thread after one last report (idempotent)."""
+        """Stop the thread, which sends one last report and closes its socket; wait up to
+        :data:`STOP_WAIT` seconds for it (a thread still inside a slow ``snapshot()`` then finishes on
+        its own: a daemon, it never holds the process). Idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join(timeout=2)
-        self.report()
-        if self._sock is not None:
-            self._sock.close(500)
-        if self._ctx is not None:
-            self._ctx.term()
+        self._thread.join(timeout=STOP_WAIT)
