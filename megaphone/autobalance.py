@@ -24,6 +24,7 @@ import threading
 import time as _time
 from collections import deque
 from collections.abc import Sequence
+from itertools import islice
 from typing import Any
 
 from timely import TimelyError, Worker
@@ -35,6 +36,11 @@ from .table import Table, apply, balanced, move_updates, validate_move
 #: The policy's knobs and their defaults (also the launcher's ``--autobalance knob=value,...``).
 DEFAULTS: dict[str, Any] = {"threshold": 0.25, "target": None, "hold": 3, "cooldown": 10.0, "window": 3,
                             "min_busy": 0.0, "interval": 1.0, "strategy": "auto"}
+#: The decisions an :class:`AutoBalancer` keeps (:attr:`AutoBalancer.decisions`: the newest), and
+#: the moved bins they may name in all (the newest decision always stays): a decision keeps its
+#: moves, some 120 bytes a bin. Read when the AutoBalancer is created.
+MAX_DECISIONS = 256
+MAX_DECISION_BINS = 100_000
 #: With ``strategy="auto"``: a plan whose moved bins hold at most this many state entries in all runs
 #: all at once, a larger one batched.
 SMALL_MOVE = 100_000
@@ -171,7 +177,10 @@ class AutoBalancer:
     ``worker`` is worker 0 (its ``metrics.hub`` has every worker's per-bin rates: run the job with
     ``--autobalance`` or ``--metrics-port``, or a :class:`timely.metrics.MetricsConfig`); ``name`` is
     the migratable operator's name (default: the only one reported). :attr:`decisions` lists what
-    was decided; :attr:`needed` the latest :func:`workers_needed` estimate."""
+    was decided, the newest :data:`MAX_DECISIONS` (and :data:`MAX_DECISION_BINS` moved bins in
+    all), each ``{"at", "migration", "imbalance", "bins", "moves": {bin: new worker}, "strategy"}``;
+    :attr:`decided` counts every decision since the start; :attr:`needed` is the latest
+    :func:`workers_needed` estimate."""
 
     def __init__(self, controller: Controller, worker: Any, name: str | None = None, **knobs: Any) -> None:
         unknown = set(knobs) - set(DEFAULTS)
@@ -192,7 +201,10 @@ class AutoBalancer:
         self.policy = BalancePolicy(controller.peers, float(opts["threshold"]),
                                     None if opts["target"] is None else float(opts["target"]), int(opts["hold"]),
                                     float(opts["cooldown"]), int(opts["window"]), float(opts["min_busy"]))
-        self.decisions: list[dict[str, Any]] = []
+        self.decisions: deque[dict[str, Any]] = deque()  # the newest (see _decided)
+        self.max_decisions, self.max_decision_bins = MAX_DECISIONS, MAX_DECISION_BINS
+        self._decision_bins = 0  # the bins they name
+        self.decided = 0  # every decision since the start
         self.needed: int | None = None
         self._next = 0.0
         self._seen = -1
@@ -246,8 +258,21 @@ class AutoBalancer:
         moved = [b for b, (w0, w1) in enumerate(zip(c.planned_table, target)) if w0 != w1]
         strategy = choose_strategy(moved, agg["state"]) if self.strategy == "auto" else self.strategy
         mid = c.rebalance(target, strategy)
-        self.decisions.append({"at": _time.time(), "migration": mid, "imbalance": self.policy.last_imbalance,
-                               "bins": moved, "target": list(target), "strategy": strategy})
+        # The moves only: the whole target table is nbins entries (65,536 at k=16) per decision.
+        self._decided({"at": _time.time(), "migration": mid, "imbalance": self.policy.last_imbalance,
+                       "bins": moved, "moves": {b: int(target[b]) for b in moved}, "strategy": strategy})
+
+    def _decided(self, decision: dict[str, Any]) -> None:
+        """Keep ``decision``, the oldest leaving past ``max_decisions`` or ``max_decision_bins``."""
+        self.decided += 1
+        kept = self.decisions
+        if not kept:
+            self._decision_bins = 0  # (a reader may have emptied it)
+        kept.append(decision)
+        self._decision_bins += len(decision["bins"])
+        while kept and (len(kept) > self.max_decisions
+                        or (self._decision_bins > self.max_decision_bins and len(kept) > 1)):
+            self._decision_bins -= len(kept.popleft()["bins"])
 
 
 class Steering:
@@ -352,11 +377,16 @@ class Steering:
         self._next = _time.monotonic() + 0.2
         self._status = {
             "table": list(c.current_table), "planned": list(c.planned_table), "nbins": c.nbins, "peers": c.peers,
-            "busy": c.busy, "migrations": c.migrations, "steps": [e.as_dict() for e in c.events[-64:]],
-            "decisions": list(b.decisions[-16:]) if b is not None else None,
+            "busy": c.busy, "migrations": c.migrations, "steps": [e.as_dict() for e in _newest(c.events, 64)],
+            "decisions": _newest(b.decisions, 16) if b is not None else None,
             "needed": b.needed if b is not None else None,
             "imbalance": b.policy.last_imbalance if b is not None else None,
         }
+
+
+def _newest(log: Sequence[Any] | deque[Any], n: int) -> list[Any]:
+    """The newest ``n`` entries of ``log`` (a deque or a list), oldest first."""
+    return list(islice(log, max(0, len(log) - n), None))
 
 
 class ControllerMetrics:
@@ -373,16 +403,17 @@ class ControllerMetrics:
     def metrics(self) -> dict[str, Any]:
         """A "counters" source: ``{"kind", "prefix", "values"}``."""
         c, b = self.controller, self.balancer
-        events = list(c.events)
-        done = [e for e in events if e.completed_at is not None]
+        # Running totals kept by the controller (its events log is bounded, and rescanning it on
+        # every report cost the reporter thread time in proportion to the job's history).
+        last = c.last_step_seconds
         values: dict[str, Any] = {
-            "migrations": c.migrations, "steps_completed": len(done),
-            "steps_queued": sum(1 for e in events if e.state == "queued"), "steps_in_flight": int(c.in_flight is not None),
-            "last_step_seconds": done[-1].duration if done and done[-1].duration is not None else 0.0,
-            "step_seconds": sum(e.duration or 0.0 for e in done),
+            "migrations": c.migrations, "steps_completed": c.steps_completed,
+            "steps_queued": c.steps_queued, "steps_in_flight": int(c.in_flight is not None),
+            "last_step_seconds": last if last is not None else 0.0,
+            "step_seconds": c.step_seconds,
         }
         if b is not None:
-            values.update(imbalance=b.policy.last_imbalance, decisions=len(b.decisions))
+            values.update(imbalance=b.policy.last_imbalance, decisions=b.decided)
             if b.needed is not None:
                 values["workers_needed"] = b.needed
         return {"kind": "counters", "prefix": "megaphone_controller", "values": values}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 from bisect import bisect_right
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from itertools import islice
 from operator import itemgetter
@@ -19,6 +19,20 @@ from .table import Table, balanced
 if TYPE_CHECKING:
     from .checkpoint import BinCheckpoint
     from .precopy import PreCopier
+
+
+#: The migration events a worker's log (``Shared.events``, ``Migratable.events``) keeps: the newest.
+#: Read when an operator is built (set ``megaphone.bins.MAX_EVENTS`` before building the dataflow;
+#: ``None``: every event). The metrics' migration totals count every event, whatever the log keeps.
+MAX_EVENTS: int | None = 10_000
+#: The bins the events in that log may name in all (their ``"bins"``), past which the oldest leave
+#: too (the newest event always stays): an event names every bin it moved, some 45 bytes each, so
+#: at 2^16 bins a log of whole-table moves would otherwise hold gigabytes. Read when an operator is
+#: built, as ``MAX_EVENTS``; ``None``: no such bound.
+MAX_EVENT_BINS: int | None = 1_000_000
+
+#: The ``kind`` of the events that the migration counters of :meth:`Shared.metrics` total.
+_COUNTED = ("install", "extract")
 
 
 class MegaphoneError(TimelyError, RuntimeError):
@@ -139,7 +153,14 @@ class Shared:
         self.config_tables: list[Table] = [table]
         self.bins: list[Bin | None] = [Bin(codec.empty()) if w == index else None for w in table]
         self.timer_bins: dict[Any, set[int]] = defaultdict(set)  # time -> bins with a timer then
-        self.events: list[dict] = []
+        # The migration log: the newest MAX_EVENTS events, naming MAX_EVENT_BINS bins at most
+        # (append with log()); `counters` totals the installs and extracts since the start, also
+        # those the log no longer holds.
+        self.events: deque[dict] = deque()
+        self.max_events, self.max_event_bins = MAX_EVENTS, MAX_EVENT_BINS
+        self._event_bins = 0  # the bins the events in the log name
+        self.counters: dict[str, Any] = {"installs": 0, "install_bytes": 0, "install_seconds": 0.0,
+                                         "extracts": 0, "extract_bytes": 0, "extract_seconds": 0.0}
         self.s_activator: Activator | None = None  # schedules S (set when S is built)
         self.precopier: PreCopier | None = None  # F's copies ahead and replicas (set when F is built)
         # True where S's record path records the state keys each record reaches (state_machine: its
@@ -167,18 +188,30 @@ class Shared:
         """This worker's figures for :mod:`timely.metrics` (a "bins" source): records applied per bin
         (cumulative), state entries per bin held here, the bins held, and migration counters."""
         size = self.codec.size
-        counters = {"installs": 0, "install_bytes": 0, "install_seconds": 0.0,
-                    "extracts": 0, "extract_bytes": 0, "extract_seconds": 0.0}
-        for ev in list(self.events):
-            kind = ev.get("kind")
-            if kind in ("install", "extract"):
-                counters[kind + "s"] += 1
-                counters[kind + "_bytes"] += int(ev.get("bytes", 0))
-                counters[kind + "_seconds"] += float(ev.get("seconds", 0.0))
         bins = list(self.bins)
         return {"kind": "bins", "records": self.bin_records.tolist(),
                 "state": [0 if b is None else int(size(b.state)) for b in bins],
-                "owned": [i for i, b in enumerate(bins) if b is not None], "counters": counters}
+                "owned": [i for i, b in enumerate(bins) if b is not None], "counters": dict(self.counters)}
+
+    def log(self, event: dict) -> None:
+        """Append ``event`` to the migration log (the oldest leave past ``MAX_EVENTS`` events or
+        ``MAX_EVENT_BINS`` bins named), counting an install's or extract's bytes and seconds in
+        :attr:`counters`."""
+        kind = event.get("kind")
+        if kind in _COUNTED:
+            counters = self.counters
+            counters[kind + "s"] += 1
+            counters[kind + "_bytes"] += int(event.get("bytes", 0))
+            counters[kind + "_seconds"] += float(event.get("seconds", 0.0))
+        events = self.events
+        if not events:
+            self._event_bins = 0  # (a reader may have emptied it)
+        events.append(event)
+        self._event_bins += len(event.get("bins", ()))
+        most, limit = self.max_events, self.max_event_bins
+        while events and ((most is not None and len(events) > most)
+                          or (limit is not None and self._event_bins > limit and len(events) > 1)):
+            self._event_bins -= len(events.popleft().get("bins", ()))
 
     def thaw(self, b: int) -> None:
         """Bin ``b`` is about to change: serialise it first if a checkpoint still needs its state

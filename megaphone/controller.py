@@ -44,6 +44,14 @@ from typing import Any, Protocol
 from .plan import Step, plan, prepare
 from .table import Table, TableError, apply, balanced, move_updates, validate_move, validate_table
 
+#: The default of :class:`Controller`'s ``max_events``: the steps its :attr:`~Controller.events` log
+#: keeps, in whole migrations, the newest (beyond it: the newest migration and every unfinished one).
+MAX_EVENTS = 10_000
+#: The default of :class:`Controller`'s ``max_moves``: the moves the steps in that log may hold in
+#: all (a step keeps its ``{bin: worker}`` moves, some 70 bytes each: at 2^16 bins a log of
+#: whole-table migrations would otherwise hold gigabytes), with the same exceptions.
+MAX_MOVES = 1_000_000
+
 
 class Control(Protocol):
     """What the controller needs of the control input (a :class:`~megaphone.control.ControlInput`)."""
@@ -130,10 +138,19 @@ class Controller:
     once ``copied`` has passed the copy's time and the previous step has completed (``what`` =
     ``"copying"`` before ``"issued"``). The copies are pipelined: the next step's copy runs while
     the current step hands over.
+
+    :attr:`events` is a bounded log (a ``deque``) of whole migrations: the newest, up to
+    ``max_events`` steps (default :data:`MAX_EVENTS`) and ``max_moves`` moves (default
+    :data:`MAX_MOVES`) in all (``None``: no such bound), and beyond those bounds still the newest
+    migration and every one with a step queued, copying or in flight. Older migrations leave it
+    whole, oldest first, so what it has of a migration (the control endpoint's ``status``) is all
+    of it or nothing. The totals (:attr:`steps_completed`, :attr:`step_seconds`) count every step
+    since the start, whatever the log still holds.
     """
 
     def __init__(self, control: Control, probe: Probe, table: Sequence[int] | None = None,
-                 on_progress: Callable[[StepEvent, str], None] | None = None, copied: Probe | None = None) -> None:
+                 on_progress: Callable[[StepEvent, str], None] | None = None, copied: Probe | None = None,
+                 max_events: int | None = MAX_EVENTS, max_moves: int | None = MAX_MOVES) -> None:
         self.control = control
         self.probe = probe
         self.copied = copied if copied is not None else getattr(control, "copied", None)
@@ -147,7 +164,16 @@ class Controller:
         self._issued_table: Table = initial  # after every issued step
         self._planned_table: Table = initial  # after every queued step
         self.on_progress = on_progress
-        self.events: list[StepEvent] = []  # every step ever started, in order
+        for name, bound in (("max_events", max_events), ("max_moves", max_moves)):
+            if bound is not None and bound < 0:
+                raise ValueError(f"{name} must be >= 0 or None, not {bound}")
+        self.max_events, self.max_moves = max_events, max_moves
+        # The steps started, in order, of the newest migrations (see the class documentation).
+        self.events: deque[StepEvent] = deque()
+        self._logged_moves = 0  # the moves of the steps in it
+        self._steps_completed = 0  # every step completed since the start (the log may hold fewer)
+        self._step_seconds = 0.0  # their durations, summed
+        self._last_step_seconds: float | None = None  # the latest completed step's
         self._queue: deque[StepEvent] = deque()
         self._in_flight: StepEvent | None = None  # issued, not yet complete
         self._ahead: StepEvent | None = None  # its bins are being copied ahead (the next to issue)
@@ -187,11 +213,15 @@ class Controller:
                 checked.append(moves)
         mid = self._migrations
         self._migrations += 1
+        if not self.events:
+            self._logged_moves = 0  # (a reader may have emptied the log)
         for i, moves in enumerate(checked):
             ev = StepEvent(migration=mid, index=i, steps=len(checked), moves=moves, precopy=precopy)
             self.events.append(ev)
+            self._logged_moves += len(moves)
             self._queue.append(ev)
             self._planned_table = apply(self._planned_table, move_updates(moves))
+        self._trim()
         return mid
 
     def rebalance(self, target: Sequence[int], strategy: str = "batched", precopy: bool = False) -> int:
@@ -222,6 +252,10 @@ class Controller:
             ev.completed_at = _time.time()
             ev.duration = _time.monotonic() - (ev._issued_mono or 0.0)
             self._in_flight = None
+            self._steps_completed += 1
+            self._step_seconds += ev.duration
+            self._last_step_seconds = ev.duration
+            self._trim()
             self._notify(ev, "completed")
         if self.control.closed:
             return False
@@ -265,6 +299,28 @@ class Controller:
         self._issued_table = apply(self._issued_table, move_updates(ev.moves))
         self._notify(ev, "issued")
 
+    def _trim(self) -> None:
+        """Beyond ``max_events`` steps or ``max_moves`` moves, drop the oldest migrations from the
+        log, each whole (its steps lie together: :meth:`start` appends them at once), but neither
+        the newest nor one still running: the steps run in the order they were started (one queue,
+        one step in flight), so a migration older than the oldest unfinished step's is finished. A
+        client following a migration (``python -m megaphone.rebalance``: the endpoint's ``status``
+        with ``since``) thus sees every step of it, also of one longer than the bounds."""
+        events = self.events
+
+        def over() -> bool:
+            return ((self.max_events is not None and len(events) > self.max_events)
+                    or (self.max_moves is not None and self._logged_moves > self.max_moves))
+
+        if not over():
+            return
+        pending = [e for e in (self._in_flight, self._ahead, self._queue[0] if self._queue else None) if e is not None]
+        keep = min((e.migration for e in pending), default=self._migrations - 1)
+        while events and events[0].migration < keep and over():
+            oldest = events[0].migration
+            while events and events[0].migration == oldest:
+                self._logged_moves -= len(events.popleft().moves)
+
     def _notify(self, ev: StepEvent, what: str) -> None:
         if self.on_progress is not None:
             self.on_progress(ev, what)
@@ -297,5 +353,25 @@ class Controller:
 
     @property
     def completed(self) -> list[StepEvent]:
-        """Steps completed so far, in order."""
+        """The completed steps the log still holds (:attr:`events`), in order."""
         return [e for e in self.events if e.completed_at is not None]
+
+    @property
+    def steps_completed(self) -> int:
+        """The number of steps completed since the start (also those the log no longer holds)."""
+        return self._steps_completed
+
+    @property
+    def step_seconds(self) -> float:
+        """The seconds of every step completed since the start, summed (issue to completion)."""
+        return self._step_seconds
+
+    @property
+    def last_step_seconds(self) -> float | None:
+        """The seconds the latest completed step took (None before the first)."""
+        return self._last_step_seconds
+
+    @property
+    def steps_queued(self) -> int:
+        """The number of steps queued (not yet copying ahead or issued)."""
+        return len(self._queue)

@@ -13,6 +13,7 @@ three constructors ``unary``, ``binary`` and ``state_machine``.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,9 +63,9 @@ class Migratable:
         return self._shared.routing_table()
 
     @property
-    def events(self) -> list[dict]:
-        """Migration events on this worker: ``{"kind": "extract"|"install", "time", "bins", "entries",
-        "bytes", "seconds", ...}``."""
+    def events(self) -> deque[dict]:
+        """Migration events on this worker, the newest ``megaphone.bins.MAX_EVENTS``: ``{"kind":
+        "extract"|"install", "time", "bins", "entries", "bytes", "seconds", ...}``."""
         return self._shared.events
 
     def state(self) -> Any:

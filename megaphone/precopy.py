@@ -205,7 +205,8 @@ class Copy:
     """One bin being (or done being) copied ahead to ``target``; a standby replica when ``replica``."""
 
     __slots__ = ("b", "target", "cap", "t0", "state", "items", "left", "entries", "nbytes", "seconds", "began",
-                 "replica", "gen", "before", "refreshing", "rkeys", "rleft", "refreshes", "rentries", "rbytes", "sent")
+                 "replica", "gen", "before", "refreshing", "rkeys", "rleft", "refreshes", "rentries", "rbytes", "sent",
+                 "noted")
 
     def __init__(self, b: int, target: int, cap: Capability, state: BinState, replica: bool = False) -> None:
         self.b = b
@@ -236,6 +237,9 @@ class Copy:
         self.refreshes = 0
         self.rentries = 0
         self.rbytes = 0
+        # The "skipped" reason last logged for a request of this copy again (PreCopier.start): the
+        # same request repeated is logged once, not every time.
+        self.noted: str | None = None
 
     @property
     def done(self) -> bool:
@@ -294,12 +298,15 @@ class PreCopier:
         output ``out``); ``replica``: keep the copy as a standby replica, refreshed until the bin moves.
         Bins this worker does not hold and small bins are not copied (they move whole). A bin
         copied to ``target`` already keeps that copy (which stays on as a replica when ``replica``);
-        a copy or replica of it on another worker is dropped there, and the new one begins."""
+        a copy or replica of it on another worker is dropped there, and the new one begins. A
+        skipped request is logged (a ``"skipped"`` event); one repeated for a copy already there
+        only once per copy and reason."""
         shared = self.shared
         bin_ = shared.bins[b]
         other = self.copies.get(b)
         ours = target != shared.index and shared.routing_table()[b] == shared.index
         reason = None
+        quiet = False  # the same request for this copy was logged already
         if not ours:
             reason = "not held here"
         elif bin_ is None:
@@ -310,6 +317,8 @@ class PreCopier:
                 other.replica = True
                 self.replicas += 1
                 reason += " (kept as a replica)"
+            quiet = other.noted == reason
+            other.noted = reason
         else:
             if other is not None:
                 # The request moves the bin's copy to `target`: the one elsewhere gives way, and its
@@ -317,18 +326,18 @@ class PreCopier:
                 self._end(other)
                 self._end_round_without_replicas()
                 out.give_batch(cap, [self._drop_record(other)])
-                shared.events.append({"kind": "replica" if other.replica else "precopy", "time": cap.time,
-                                      "bins": [b], "to": [other.target],
-                                      "dropped": "a copy to another worker was requested", "worker": shared.index})
+                shared.log({"kind": "replica" if other.replica else "precopy", "time": cap.time,
+                            "bins": [b], "to": [other.target],
+                            "dropped": "a copy to another worker was requested", "worker": shared.index})
             if not isinstance(bin_.state, BinState):  # (a TrackedState is one: the bin's copy elsewhere tracks it)
                 reason = "state is not a dict of rows"
             elif len(bin_.state) < self.min_entries:
                 reason = f"small ({len(bin_.state)} entries)"
         if reason is not None:
             cap.drop()
-            if target != shared.index and (bin_ is not None or ours):
-                shared.events.append({"kind": "precopy", "time": cap.time, "bins": [b], "to": [target],
-                                      "skipped": reason, "worker": shared.index, "replica": replica})
+            if target != shared.index and (bin_ is not None or ours) and not quiet:
+                shared.log({"kind": "precopy", "time": cap.time, "bins": [b], "to": [target],
+                            "skipped": reason, "worker": shared.index, "replica": replica})
             return
         assert bin_ is not None
         self._begin(b, target, cap, bin_.state, replica)
@@ -413,8 +422,8 @@ class PreCopier:
         if id(copy.state) in _overflow:  # the tracking is void: a new copy, which replaces the staged one
             self._end(copy)
             out.give_batch(round_, [self._drop_record(copy)])
-            self.shared.events.append({"kind": "replica", "time": round_.time, "bins": [b], "to": [copy.target],
-                                       "recopy": "the fold iterated over the bin", "worker": self.shared.index})
+            self.shared.log({"kind": "replica", "time": round_.time, "bins": [b], "to": [copy.target],
+                             "recopy": "the fold iterated over the bin", "worker": self.shared.index})
             self._begin(b, copy.target, round_.delayed(round_.time), copy.state, True)
             return True
         reached = self._reached(copy)
@@ -546,10 +555,10 @@ class PreCopier:
                 copy.cap.drop()
                 copy.cap = None
                 copy.items = iter(())
-                self.shared.events.append({"kind": "precopy", "time": copy.t0, "bins": [copy.b], "to": [copy.target],
-                                           "entries": copy.entries, "bytes": copy.nbytes, "seconds": copy.seconds,
-                                           "wall": _time.monotonic() - copy.began, "worker": me,
-                                           "replica": copy.replica})
+                self.shared.log({"kind": "precopy", "time": copy.t0, "bins": [copy.b], "to": [copy.target],
+                                 "entries": copy.entries, "bytes": copy.nbytes, "seconds": copy.seconds,
+                                 "wall": _time.monotonic() - copy.began, "worker": me,
+                                 "replica": copy.replica})
             elif copy.refreshing:
                 if not self._refresh_chunks(copy, out, began):
                     return 0.0

@@ -151,7 +151,7 @@ class RoutingOperator:
                     continue
                 state_out.give_batch(cap, [(copy.target, b, None, "drop", ident, copy.sent)])
                 modes["fallback"] = modes.get("fallback", 0) + 1
-                shared.events.append({"kind": "fallback", "time": t, "bins": [b], "reason": why, "worker": me})
+                shared.log({"kind": "fallback", "time": t, "bins": [b], "reason": why, "worker": me})
             modes["whole"] = modes.get("whole", 0) + 1
             timers = bin_.pending_timers()
             entries += codec.size(bin_.state)
@@ -165,9 +165,9 @@ class RoutingOperator:
         if moved and shared.s_activator is not None:
             shared.s_activator.activate()  # S releases the capabilities of timers that left
         if moved:
-            shared.events.append({"kind": "extract", "time": t, "bins": moved, "to": [new[b] for b in moved],
-                                  "entries": entries, "bytes": nbytes, "seconds": _time.perf_counter() - started,
-                                  "worker": me, "ahead_bytes": ahead, "modes": modes})
+            shared.log({"kind": "extract", "time": t, "bins": moved, "to": [new[b] for b in moved],
+                        "entries": entries, "bytes": nbytes, "seconds": _time.perf_counter() - started,
+                        "worker": me, "ahead_bytes": ahead, "modes": modes})
 
 
 class ExtractionWaker:

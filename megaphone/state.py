@@ -163,9 +163,9 @@ class StateOperator:
                 for t, p in timers:
                     self.add_timer(b, bin_, t, p, cap)
             if bins:  # (a batch of only "drop" records installs nothing)
-                shared.events.append({"kind": "install", "time": cap.time, "bins": sorted(bins), "entries": entries,
-                                      "bytes": nbytes, "seconds": _time.perf_counter() - started,
-                                      "worker": shared.index})
+                shared.log({"kind": "install", "time": cap.time, "bins": sorted(bins), "entries": entries,
+                            "bytes": nbytes, "seconds": _time.perf_counter() - started,
+                            "worker": shared.index})
         # 2. Stash data until its time is complete on every data input and on the state input.
         for i, inp in enumerate(inputs):
             for cap, batch in inp:

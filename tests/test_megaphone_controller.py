@@ -87,7 +87,7 @@ def test_rebalance_plans_from_the_planned_table_and_validates():
         ctl.rebalance([0, 1], "fluid")
     with pytest.raises(TableError, match="target table, bin 2: worker 5 does not exist"):
         ctl.rebalance([0, 0, 5, 0, 0, 0, 0, 0], "fluid")
-    assert ctl.events == before and ctl.planned_table == start  # nothing queued by a bad request
+    assert list(ctl.events) == before and ctl.planned_table == start  # nothing queued by a bad request
     assert ctl.start([{}, {}]) == 2 and len(ctl.events) == len(before)  # empty steps are dropped
     with pytest.raises(TableError, match="one per bin"):
         Controller(control, probe, table=[0, 1])
