@@ -192,6 +192,15 @@ def main(argv: list[str] | None = None) -> None:
                                         timeout=opts.seconds + 120)[0]
                 del os.environ[ENV]
             runs[mode].append(summarise(result, opts.shift_at, opts.epoch_ms / 1000, mode))
+            r = runs[mode][-1]
+            print(f"  run {len(runs[mode])} {mode:7s} p99 before {r.get('p99_before_ms', float('nan')):,.1f} ms, "
+                  f"from 10 s on {r.get('p99_10s_ms', float('nan')):,.1f} ms", flush=True)
+    if "auto" in runs and "static" in runs and all("p99_10s_ms" in r for r in runs["auto"] + runs["static"]):
+        # The target's reliability: each round's AutoBalancer against the static table of the same round.
+        ratios = [a["p99_10s_ms"] / s["p99_10s_ms"] for a, s in zip(runs["auto"], runs["static"], strict=True)]
+        print("p99 from 10 s on, AutoBalancer / static table, per round: "
+              + ", ".join(f"{x:.2f}x" for x in ratios)
+              + f"; within 1.5x in {sum(x <= 1.5 for x in ratios)} of {len(ratios)}")
     for mode, done in runs.items():
         keys = sorted({k for r in done for k in r})
         med = {k: statistics.median(r[k] for r in done if k in r) for k in keys}
