@@ -14,6 +14,7 @@ Without one, ``worker.metrics.snapshot()`` still reads the worker's own counters
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from typing import Any
 
@@ -55,31 +56,34 @@ def _start(metrics: WorkerMetrics, worker: Any, config: MetricsConfig) -> None:
             sys.stderr.write(f"timely.metrics: error: {e}; the job runs without metrics collection\n")
             return
         if config.port is not None:
-            try:
-                from .prometheus import serve  # (prometheus-client: only where the endpoint is asked for)
-            except ImportError as e:
-                if not _third_party(e):
-                    raise
-                sys.stderr.write(f"timely.metrics: error: the Prometheus endpoint needs prometheus-client "
-                                 f"(pip install timely-py[metrics]): {e}; the job runs without the Prometheus endpoint\n")
-            else:
+            # (prometheus-client, flask: imported only where the endpoint or the dashboard is asked for)
+            serve = _optional("timely.metrics", ".prometheus", "the Prometheus endpoint", "prometheus-client", "metrics")
+            if serve is not None:
                 server = serve(metrics.hub, config.port, config.host)
                 if server is not None:
                     metrics.servers.append(server)
         if config.dashboard is not None:
-            try:
-                from ..dashboard import serve as serve_dashboard  # (flask: only where the dashboard is asked for)
-            except ImportError as e:
-                if not _third_party(e):
-                    raise
-                sys.stderr.write(f"timely.dashboard: error: the dashboard needs Flask (pip install timely-py[dashboard]): "
-                                 f"{e}; the job runs without the dashboard\n")
-            else:
+            serve_dashboard = _optional("timely.dashboard", "..dashboard", "the dashboard", "Flask", "dashboard")
+            if serve_dashboard is not None:
                 metrics.dashboard = serve_dashboard(metrics, config.dashboard, config.host)
                 if metrics.dashboard is not None:
                     metrics.servers.append(metrics.dashboard)
     if worker.index == 0 or config.hub is not None:
         metrics.reporter = Reporter(metrics.snapshot, config.interval, metrics.hub, config.hub)
+
+
+def _optional(log: str, module: str, what: str, package: str, extra: str) -> Any:
+    """``module``'s ``serve`` (relative to this package), or ``None`` after one line on stderr when
+    an optional dependency it needs (``package``, from the extra ``extra``) is not installed: the
+    job then runs without ``what``."""
+    try:
+        return importlib.import_module(module, __package__).serve
+    except ImportError as e:
+        if not _third_party(e):
+            raise
+        sys.stderr.write(f"{log}: error: {what} needs {package} (pip install timely-py[{extra}]): {e}; "
+                         f"the job runs without {what}\n")
+        return None
 
 
 def _third_party(error: ImportError) -> bool:
