@@ -108,6 +108,7 @@ class BinDump:
         self.lock = threading.Lock()
 
     def __call__(self) -> bytes:
+        """The bin's bytes, serialised on the first call and kept (the same bytes on every call)."""
         with self.lock:
             if self.blob is None:
                 state, keys = self.state, self.keys

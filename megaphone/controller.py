@@ -60,20 +60,25 @@ class Control(Protocol):
     peers: int
 
     @property
-    def time(self) -> Any: ...
+    def time(self) -> Any:
+        """The control input's current time: a step issued now takes effect at it."""
 
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """True once the control input is closed: no more steps can be issued."""
 
-    def moves(self, assignment: Mapping[int, int]) -> None: ...
+    def moves(self, assignment: Mapping[int, int]) -> None:
+        """Move bins at the current time (``{bin: worker}``)."""
 
-    def precopy(self, assignment: Mapping[int, int]) -> None: ...
+    def precopy(self, assignment: Mapping[int, int]) -> None:
+        """Start copying bins ahead of a later move (``{bin: worker}``); the table does not change."""
 
 
 class Probe(Protocol):
     """What the controller needs of the probe on the migratable output (a ``timely.ProbeHandle``)."""
 
-    def less_equal(self, time: Any) -> bool: ...
+    def less_equal(self, time: Any) -> bool:
+        """True while the probed output may still produce records at or before ``time``."""
 
 
 @dataclass

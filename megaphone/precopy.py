@@ -141,6 +141,7 @@ class TrackedState(BinState):
         return dict.__getitem__(self, key)
 
     def get(self, key: Any, default: Any = None) -> Any:
+        """``dict.get``; records ``key`` as reached."""
         _reach(self, key)
         return dict.get(self, key, default)
 
@@ -153,10 +154,12 @@ class TrackedState(BinState):
         dict.__delitem__(self, key)
 
     def pop(self, key: Any, *default: Any) -> Any:
+        """``dict.pop``; records ``key`` as reached."""
         _reach(self, key)
         return dict.pop(self, key, *default)
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
+        """``dict.setdefault``; records ``key`` as reached."""
         _reach(self, key)
         return dict.setdefault(self, key, default)
 
@@ -165,30 +168,37 @@ class TrackedState(BinState):
         return dict.__iter__(self)
 
     def keys(self) -> Any:
+        """``dict.keys``; marks every key reached (the copy is void)."""
         _reach_all(self)
         return dict.keys(self)
 
     def values(self) -> Any:
+        """``dict.values``; marks every key reached (the copy is void)."""
         _reach_all(self)
         return dict.values(self)
 
     def items(self) -> Any:
+        """``dict.items``; marks every key reached (the copy is void)."""
         _reach_all(self)
         return dict.items(self)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
+        """``dict.update``; marks every key reached (the copy is void)."""
         _reach_all(self)
         dict.update(self, *args, **kwargs)
 
     def popitem(self) -> Any:
+        """``dict.popitem``; marks every key reached (the copy is void)."""
         _reach_all(self)
         return dict.popitem(self)
 
     def clear(self) -> None:
+        """``dict.clear``; marks every key reached (the copy is void)."""
         _reach_all(self)
         dict.clear(self)
 
     def copy(self) -> dict:
+        """A plain ``dict`` copy; marks every key reached (the copy is void)."""
         _reach_all(self)
         return dict.copy(self)
 

@@ -235,6 +235,8 @@ class WorkerLink:
         self.sock.close(linger=0)
 
     def send(self, frames: Sequence[Any], timeout: float, worker: int) -> None:
+        """Send ``frames`` to worker ``worker``; raise :class:`WorkerUnreachable` (and discard the link)
+        if it accepts nothing within ``timeout`` seconds."""
         ms = max(1, int(timeout * 1000))
         if self._sndtimeo != ms:
             self.sock.setsockopt(zmq.SNDTIMEO, ms)

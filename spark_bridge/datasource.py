@@ -62,6 +62,9 @@ class TimelyCommitMessage(WriterCommitMessage):
 
 @dataclass
 class WritePlan:
+    """Everything a write needs, planned on the driver from the options and the coordinator's answer;
+    pickled with the writer to the executors and to the commit."""
+
     endpoint: str
     stream: str
     query: str
@@ -208,12 +211,15 @@ class TimelyBatchWriter(DataSourceArrowWriter):
         self.plan = plan
 
     def write(self, iterator: Iterator[Any]) -> TimelyCommitMessage:
+        """Stage this task's Arrow batches on the workers under a fresh token (on an executor)."""
         return _write(self.plan, iterator, 0)
 
     def commit(self, messages: list) -> None:
+        """Ask the coordinator to publish the tasks' staged rows as one epoch."""
         _commit(self.plan, messages, 0)
 
     def abort(self, messages: list) -> None:
+        """Ask the coordinator to discard the tasks' staged rows (errors are printed, not raised)."""
         _abort(self.plan, messages, 0)
 
 
@@ -224,6 +230,7 @@ class TimelyStreamWriter(DataSourceStreamArrowWriter):
         self.plan = plan
 
     def write(self, iterator: Iterator[Any]) -> TimelyCommitMessage:
+        """Stage this task's Arrow batches on the workers under the task's micro-batch id (on an executor)."""
         from pyspark import TaskContext
 
         tc = TaskContext.get()
@@ -233,15 +240,19 @@ class TimelyStreamWriter(DataSourceStreamArrowWriter):
         return _write(self.plan, iterator, int(batch))
 
     def commit(self, messages: list, batchId: int) -> None:
+        """Ask the coordinator to publish micro-batch ``batchId`` as one epoch (a replayed batch is a no-op)."""
         _commit(self.plan, messages, batchId)
 
     def abort(self, messages: list, batchId: int) -> None:
+        """Ask the coordinator to discard micro-batch ``batchId``'s staged rows (errors are printed, not raised)."""
         _abort(self.plan, messages, batchId)
 
 
 # -- reads ---------------------------------------------------------------------------------------------
 @dataclass
 class ReadPartition(InputPartition):
+    """One worker's part of a read: epochs ``start`` .. ``end - 1`` of sink ``sink`` held by worker ``worker``."""
+
     worker: int
     endpoint: str
     sink: str
@@ -313,6 +324,7 @@ class TimelyBatchReader(DataSourceReader):
         self.options = dict(options)
 
     def partitions(self) -> list[ReadPartition]:
+        """One partition per worker over the epochs to read (waiting for ``endingEpoch`` to complete)."""
         import time
 
         c = _SinkClient(self.options)
@@ -335,6 +347,7 @@ class TimelyBatchReader(DataSourceReader):
         return c.partitions(start, end)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
+        """The partition's worker's batches of its epochs, as ``pyarrow.RecordBatch`` (on an executor)."""
         return _read(cast(ReadPartition, partition))
 
 
@@ -349,15 +362,19 @@ class TimelyStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     @property
     def client(self) -> _SinkClient:
+        """The sink's planning client, made on first use."""
         if self._client is None:
             self._client = _SinkClient(self.options)
         return self._client
 
     def initialOffset(self) -> dict:
+        """``{"epoch": startingEpoch}``, by default the first epoch not yet released on the workers."""
         start = O.integer(self.options, "startingEpoch")
         return {"epoch": self.client.released() if start is None else start}
 
     def latestOffset(self, start: dict, limit: Any) -> dict:
+        """The end of the next micro-batch: the newest complete epoch, at most ``maxEpochsPerTrigger``
+        past ``start`` (and not past the Trigger.AvailableNow target); ``limit`` is not used."""
         latest = self.client.latest()
         if self._target is not None:
             latest = min(latest, self._target)
@@ -367,15 +384,19 @@ class TimelyStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {"epoch": max(int(start["epoch"]), latest)}
 
     def prepareForTriggerAvailableNow(self) -> None:
+        """Fix the target of Trigger.AvailableNow: the epochs complete now."""
         self._target = self.client.latest()
 
     def partitions(self, start: dict, end: dict) -> list[ReadPartition]:
+        """One partition per worker over the epochs from ``start`` to ``end`` (exclusive)."""
         return self.client.partitions(int(start["epoch"]), int(end["epoch"]))
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
+        """The partition's worker's batches of its epochs, as ``pyarrow.RecordBatch`` (on an executor)."""
         return _read(cast(ReadPartition, partition))
 
     def commit(self, end: dict) -> None:
+        """Release every epoch below ``end`` on the workers (they no longer keep them)."""
         self.client.release(int(end["epoch"]))
 
 
@@ -398,9 +419,11 @@ class TimelyDataSource(DataSource):
 
     @classmethod
     def name(cls) -> str:
+        """The format's name, ``"timely"``."""
         return NAME
 
     def schema(self) -> str:
+        """The sink's schema as DDL, from the coordinator (with the ``epochColumn`` as bigint when set)."""
         plan = O.coordinator(self.options).request(Request.PLAN, stream=O.stream(self.options), kind="read")
         fields = [tuple(f) for f in plan["fields"]]
         col = O.opt(self.options, "epochColumn", "timely.epochColumn")
@@ -409,9 +432,11 @@ class TimelyDataSource(DataSource):
         return S.ddl(fields)
 
     def writer(self, schema: Any, overwrite: bool) -> TimelyBatchWriter:
+        """A batch writer, its write planned now under a fresh query id (append only: ``overwrite`` raises)."""
         return TimelyBatchWriter(_plan_write(self.options, schema, overwrite, "write-" + uuid.uuid4().hex, 0))
 
     def streamWriter(self, schema: Any, overwrite: bool) -> TimelyStreamWriter:
+        """A streaming writer, its query identified by ``queryId`` (or ``checkpointLocation``, ``queryName``)."""
         query = O.opt(self.options, "queryId", "timely.queryId", "checkpointLocation", "queryName")
         if not query:
             raise BridgeError("a streaming write to format('timely') needs a stable query identity for "
@@ -425,10 +450,12 @@ class TimelyDataSource(DataSource):
             raise SchemaMismatch(bad)
 
     def reader(self, schema: Any) -> TimelyBatchReader:
+        """A batch reader, once ``schema`` is checked against the sink's."""
         self._check_read_schema(schema)
         return TimelyBatchReader(self.options)
 
     def streamReader(self, schema: Any) -> TimelyStreamReader:
+        """A streaming reader, once ``schema`` is checked against the sink's."""
         self._check_read_schema(schema)
         return TimelyStreamReader(self.options)
 

@@ -28,13 +28,20 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import schema as S
 from .durable import SinkDurability, SourceDurability
 from .ledger import REPLAY
 from .protocol import Request
 from .server import BridgeServer, serve
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator
+
+    import pyarrow as pa
+
+    from timely import Capability, OperatorInfo, OperatorInput, OperatorOutput
 
 _EMIT_ROWS = 1 << 18  # rows emitted per activation before yielding to downstream operators
 _FAST, _MEDIUM, _SLOW = 0.001, 0.01, 0.05  # poll intervals: traffic within 0.1 s, within 1 s, idle
@@ -109,7 +116,7 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
     ck = getattr(scope.worker, "checkpoint", None)
     durable = None if ck is None else SourceDurability(ck, name, server.index, server.peers, ledger, staging)
 
-    def control(cap, info):
+    def control(cap: Capability, info: OperatorInfo) -> Callable[[OperatorOutput], None]:
         src.control = info.activator
         if server.index != 0:
             cap.drop()
@@ -117,17 +124,17 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
         server.op_started()
         if ck is not None:
             cap.downgrade(ck.resume_epoch)  # the epochs before it are in the checkpoint
-        held = [cap]
+        held: list[Capability | None] = [cap]
         wakeup = Wakeup(server, info.activator)
 
-        def logic(out) -> None:
+        def logic(out: OperatorOutput) -> None:
             if ledger.done:
                 return
             server.pump()
             # A stopping bridge keeps answering writes in flight for a moment before it closes.
             may_close = not server.stopping or server.grace_over()
             while (decision := ledger.next_decision(may_close)) is not None:
-                cap = held[0]
+                cap = cast("Capability", held[0])  # (None only after the close)
                 if decision.kind == Request.CLOSE:  # invariant: the ledger's last decision
                     cap.drop()
                     held[0] = None
@@ -152,7 +159,7 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
 
     commits = scope.source(control, name=f"SparkCommits[{name}]").broadcast(name=f"SparkCommitBroadcast[{name}]")
 
-    def data(cap, info):
+    def data(cap: Capability, info: OperatorInfo) -> Callable[[OperatorInput, OperatorOutput], None]:
         cap.drop()
         src.data = info.activator
         server.op_started()
@@ -161,14 +168,14 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
         wakeup = Wakeup(server, info.activator)
         finished = [False]
 
-        def batches(frames, schema_bytes):
+        def batches(frames: Iterable[tuple[int, Any]], schema_bytes: bytes | None) -> Iterator[pa.RecordBatch]:
             import pyarrow as pa
 
             schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
             for _rows, frame in frames:  # ZeroMQ frames, or memory from the commit log
                 yield pa.ipc.read_record_batch(pa.py_buffer(getattr(frame, "buffer", frame)), schema)
 
-        def logic(inp, out) -> None:
+        def logic(inp: OperatorInput, out: OperatorOutput) -> None:
             if finished[0]:
                 return
             server.pump()
@@ -263,13 +270,13 @@ def sink(stream: Any, name: str, schema: Any, *, arrow: bool = False, keep_alive
     ck = getattr(stream.scope.worker, "checkpoint", None)
     durable = None if ck is None else SinkDurability(ck, name, server.index, server.peers, buffer)
 
-    def ctor(cap, info):
+    def ctor(cap: Capability, info: OperatorInfo) -> Callable[[OperatorInput, OperatorOutput], None]:
         sink_.activator = info.activator
         server.op_started()
-        keep = [cap]
+        keep: list[Capability | None] = [cap]
         wakeup = Wakeup(server, info.activator)
 
-        def logic(inp, out) -> None:
+        def logic(inp: OperatorInput, out: OperatorOutput) -> None:
             if buffer.done:
                 return
             server.pump()

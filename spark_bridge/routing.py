@@ -7,7 +7,11 @@ splitmix64 definition as ``native/hashing.pyx``); other types go through ``hash6
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 _SEED = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
@@ -28,7 +32,7 @@ def _mix_int(z: int) -> int:
 _START_INT = _mix_int(_SEED ^ _TAG_INT)
 
 
-def _mix_np(z):
+def _mix_np(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     import numpy as np
 
     z = z ^ (z >> np.uint64(30))
@@ -38,7 +42,7 @@ def _mix_np(z):
     return z ^ (z >> np.uint64(31))
 
 
-def hash_int64(values):
+def hash_int64(values: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
     """``hash64(v)`` for every value of an int64 numpy array, as a uint64 array."""
     import numpy as np
 
@@ -47,7 +51,7 @@ def hash_int64(values):
         return _mix_np(z)
 
 
-def owners(column: Any, peers: int):
+def owners(column: Any, peers: int) -> npt.NDArray[np.int64]:
     """The owning worker of every value of an Arrow column (a numpy int array of length n).
 
     Integer columns without nulls are hashed vectorised; anything else goes through

@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 Field = tuple[str, str]
 
@@ -263,7 +266,7 @@ def _split_top(s: str) -> list[str]:
     return parts
 
 
-def arrow_type(t: str):
+def arrow_type(t: str) -> pa.DataType:
     """The Arrow type Spark uses for the Spark type string ``t`` (normalised)."""
     import pyarrow as pa
 
@@ -292,14 +295,14 @@ def arrow_type(t: str):
     raise SchemaError(f"no Arrow type for Spark type {t!r}")
 
 
-def arrow_schema(fields: Sequence[Field]):
+def arrow_schema(fields: Sequence[Field]) -> pa.Schema:
     """The ``pyarrow.Schema`` of a normalised schema (every column nullable)."""
     import pyarrow as pa
 
     return pa.schema([pa.field(n, arrow_type(t)) for n, t in fields])
 
 
-def from_arrow_type(t) -> str:
+def from_arrow_type(t: pa.DataType) -> str:
     """The Spark type string of an Arrow type."""
     import pyarrow.types as pt
 
@@ -328,7 +331,7 @@ def from_arrow_type(t) -> str:
     raise SchemaError(f"Arrow type {t} has no Spark equivalent supported by the bridge")
 
 
-def conform(batch, schema):
+def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     """Return ``batch`` (a RecordBatch) with exactly ``schema``'s column names and types, casting
     safely where needed; a clear :class:`SchemaError` when that is impossible."""
     if batch.schema.equals(schema):

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 from .collector import batch_gc
-from .comm.allocator import Allocator
+from .comm.allocator import Allocator, Puller, Pusher
 from .dataflow.dataflow import Dataflow, check_progress_mode
 from .dataflow.fuzz import Fuzzer
 from .dataflow.input import InputHandle
@@ -104,7 +104,7 @@ class Worker:
         """Remember an input so that :meth:`finish` closes it if the job left it open."""
         self._open_inputs.append(handle)
 
-    def allocate(self, channel: int):
+    def allocate(self, channel: int) -> tuple[list[Pusher], Puller]:
         """Allocate ``channel`` on the allocator: ``(pushers by worker, puller)``."""
         return self.allocator.allocate(channel)
 

@@ -45,9 +45,12 @@ class ColumnExchange(Pact):
 
     def channel(self, df: Any, target: Any) -> Channel:
         # One worker: nothing to route, but the key columns are still checked.
+        """The sending end of an edge into ``target``: routed by the key columns, or with one worker a pipeline
+        that still checks them."""
         return _CheckedPipeline(target, self.columns) if df.peers == 1 else self.remote(df, target)
 
     def remote(self, df: Any, target: Any) -> Channel:
+        """A channel routing each batch's rows by the hash of the key columns."""
         columns = self.columns
         key = columns[0] if len(columns) == 1 else columns
 
@@ -81,6 +84,7 @@ class ColumnDistribute(Pact):
         self.partitioner = partitioner
 
     def remote(self, df: Any, target: Any) -> Channel:
+        """A channel sending the per-worker lists of ``partitioner``."""
         return ColumnChannel(df, target, self.partitioner)
 
     def __repr__(self) -> str:
@@ -142,6 +146,8 @@ class ColumnChannel(Channel):
         self._flagged = False  # listed in ``_pending``
 
     def push(self, time: Any, batch: Sequence) -> int:
+        """Split the record batches in ``batch`` with the partitioner, deliver this worker's parts at once and
+        gather the others'; return the number of non-empty parts sent (checked to hold every row once)."""
         batches = batch if type(batch) is list else list(batch)
         try:
             parts = self.partitioner(time, batches, self.peers)

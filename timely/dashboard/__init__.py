@@ -28,9 +28,12 @@ class Steering(Protocol):
     """What a library offers the dashboard: a thread-safe ``status()`` and ``submit(request, timeout)``
     returning ``(ok, reply)``."""
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> dict[str, Any]:
+        """What the page shows of the library (routing table, migrations, decisions), JSON-serialisable;
+        called from the server's thread."""
 
-    def submit(self, req: Any, timeout: float) -> tuple[bool, dict[str, Any]]: ...
+    def submit(self, req: Any, timeout: float) -> tuple[bool, dict[str, Any]]:
+        """Hand a rebalance request to the job and wait up to ``timeout`` seconds for its answer: ``(ok, reply)``."""
 
 
 def _bindable(host: str, port: int) -> None:

@@ -36,6 +36,7 @@ class Pipeline(Pact):
     """Records stay on the worker that produced them."""
 
     def remote(self, df: Any, target: Any) -> Channel:
+        """A pipeline channel: records stay on this worker."""
         return PipelineChannel(target)
 
     def __repr__(self) -> str:
@@ -55,6 +56,7 @@ class Exchange(Pact):
         self.key = key
 
     def remote(self, df: Any, target: Any) -> Channel:
+        """An exchange channel routing by the hash of ``key``."""
         return ExchangeChannel(df, target, self.key)
 
     def __repr__(self) -> str:
@@ -66,6 +68,7 @@ class Broadcast(Pact):
     """Every record goes to every worker."""
 
     def remote(self, df: Any, target: Any) -> Channel:
+        """A broadcast channel: every batch goes to every worker."""
         return BroadcastChannel(df, target)
 
     def __repr__(self) -> str:
@@ -83,6 +86,7 @@ class Distribute(Pact):
         self.partitioner = partitioner
 
     def remote(self, df: Any, target: Any) -> Channel:
+        """A channel sending the per-worker lists of ``partitioner``."""
         return DistributeChannel(df, target, self.partitioner)
 
     def __repr__(self) -> str:
@@ -130,6 +134,7 @@ class PipelineChannel(Channel):
         self.target = target
 
     def push(self, time: Any, batch: Sequence) -> int:
+        """Deliver ``batch`` to the target input on this worker; return its length."""
         self.target.deliver(time, batch)
         return len(batch)
 
@@ -230,6 +235,7 @@ class ExchangeChannel(_RemoteChannel):
         self.key = key
 
     def push(self, time: Any, batch: Sequence) -> int:
+        """Deliver this worker's share of ``batch`` at once and gather the others'; return the batch's length."""
         try:
             parts = routing.partition(batch, self.peers, self.key)
         except Exception as e:
@@ -250,6 +256,7 @@ class BroadcastChannel(_RemoteChannel):
     """Sends every batch to every worker."""
 
     def push(self, time: Any, batch: Sequence) -> int:
+        """Deliver ``batch`` here and gather it for every other worker; return its length times the workers."""
         pieces = self._encoded(time, batch if type(batch) is list else list(batch))  # encoded once for all
         for w in range(self.peers):
             if w == self.index:
@@ -267,6 +274,7 @@ class DistributeChannel(_RemoteChannel):
         self.partitioner = partitioner
 
     def push(self, time: Any, batch: Sequence) -> int:
+        """Deliver this worker's list from the partitioner and gather the others'; return the batch's length."""
         parts = self.partitioner(time, batch, self.peers)
         if len(parts) != self.peers or sum(map(len, parts)) != len(batch):
             raise ValueError(

@@ -22,7 +22,8 @@ from .context import Context
 class Flushable(Protocol):
     """An output handle: its buffered records are sent when the operator's invocation ends."""
 
-    def flush(self) -> None: ...
+    def flush(self) -> None:
+        """Send the records buffered so far."""
 
 
 class InputPort:

@@ -10,7 +10,7 @@ the location's implied frontier.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..errors import CycleError
@@ -181,7 +181,8 @@ class Tracker:
     which returns the implied frontier changes of Targets (operator inputs).
     """
 
-    def __init__(self, nodes, edges) -> None:
+    def __init__(self, nodes: Sequence[tuple[int, int, Connectivity]],
+                 edges: Mapping[tuple[int, int], Sequence[tuple[int, int]]]) -> None:
         self.nodes = nodes
         self.edges = edges
         # summaries[node][input] -> list of (output, summary): one entry per antichain element.

@@ -17,6 +17,7 @@ coordinates ``push`` are appended). A time with a single coordinate is an ``int`
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, overload
 
 Time = int | tuple
 
@@ -38,7 +39,11 @@ def beyond_end(t: Time) -> bool:
     return type(t) is tuple and any(type(x) is int and x > MAX_COORDINATE for x in t)
 
 
-def less_equal(a, b) -> bool:
+@overload
+def less_equal(a: Time, b: Time) -> bool: ...
+@overload
+def less_equal(a: Summary, b: Summary) -> bool: ...
+def less_equal(a: Any, b: Any) -> bool:
     """The partial order: ints by value, tuples coordinate-wise (product order), summaries by ``<=``."""
     if type(a) is int:
         if type(b) is tuple:
@@ -54,7 +59,11 @@ def less_equal(a, b) -> bool:
     return a.less_equal(b)
 
 
-def less_than(a, b) -> bool:
+@overload
+def less_than(a: Time, b: Time) -> bool: ...
+@overload
+def less_than(a: Summary, b: Summary) -> bool: ...
+def less_than(a: Any, b: Any) -> bool:
     """``a <= b`` and ``a != b`` in the partial order."""
     return a != b and less_equal(a, b)
 
