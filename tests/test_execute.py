@@ -443,7 +443,14 @@ def test_step_or_park_without_a_dataflow_returns_at_once(no_leftovers, workers):
     def main(worker):
         started = time.monotonic()
         more = worker.step_or_park(None)
-        return more, time.monotonic() - started < 5
+        unbounded = time.monotonic() - started < 5
+        # A bounded park still waits (a caller pacing itself must not spin): count the calls a
+        # 0.3 s wait takes, as nexmark.openloop.start_together waits for its start line.
+        calls, until = 0, time.monotonic() + 0.3
+        while time.monotonic() < until:
+            worker.step_or_park(until - time.monotonic())
+            calls += 1
+        return more, unbounded and calls < 1000
 
     assert timely.execute(main, workers=workers, timeout=30 if workers > 1 else None) == [(False, True)] * workers
 
@@ -491,7 +498,14 @@ def test_send_batch_takes_a_numpy_array_as_python_records(no_leftovers):
 @pytest.mark.parametrize("kwargs, message", [
     ({"args": "abc"}, "args must be a sequence of strings .* not one string: 'abc'"),
     ({"fuzz": "x"}, "fuzz must be an integer seed or None, not 'x'"),
+    ({"fuzz": True}, "fuzz must be an integer seed or None, not True"),
 ])
 def test_a_string_for_args_or_fuzz_is_refused(kwargs, message):
     with pytest.raises(TypeError, match=message):
         timely.execute(_exchange, 1, **kwargs)
+
+
+def test_a_numpy_integer_is_a_fuzz_seed():
+    import numpy as np
+
+    assert timely.execute(lambda worker: worker.fuzz, 1, fuzz=np.int64(7)) == [7]

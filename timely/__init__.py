@@ -5,6 +5,7 @@ worker's result; ``python -m timely.launch -w N job.py`` does the same for a job
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -112,8 +113,10 @@ def execute(main: Callable[[Worker], Any], workers: int = 1, args: Sequence[str]
     job_secret = resolve(secret)
     if isinstance(args, (str, bytes)):
         raise TypeError(f"args must be a sequence of strings (the job's arguments), not one string: {args!r}")
-    if fuzz is not None and (type(fuzz) is not int):
-        raise TypeError(f"fuzz must be an integer seed or None, not {fuzz!r}")
+    if fuzz is not None:
+        if not isinstance(fuzz, numbers.Integral) or isinstance(fuzz, bool):
+            raise TypeError(f"fuzz must be an integer seed or None, not {fuzz!r}")
+        fuzz = int(fuzz)
     if watchdog is not None and not watchdog > 0:  # (before any worker starts, on one worker as on many)
         raise ValueError(f"the watchdog limit must be a positive number of seconds, not {watchdog!r}")
     if restarts and checkpoint is None:

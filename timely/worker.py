@@ -175,8 +175,9 @@ class Worker:
             # them), then, with nothing left, the park.
             if finished:
                 self._check_built(finished)
-            if any([df.wake_idle() for df in self._dataflows]) or timeout == 0 or not self._dataflows:
-                return bool(self._dataflows)  # (with no dataflow, nothing could wake a park)
+            if any([df.wake_idle() for df in self._dataflows]) or timeout == 0 or \
+                    timeout is None and not self._dataflows:
+                return bool(self._dataflows)  # (with no dataflow, nothing could end an unbounded park)
             timers = [t for t in (df.next_timer() for df in self._dataflows) if t is not None]
             if timers:
                 timeout = min(timers) if timeout is None else min(timeout, *timers)
