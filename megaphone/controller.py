@@ -147,10 +147,12 @@ class Controller:
     :attr:`events` is a bounded log (a ``deque``) of whole migrations: the newest, up to
     ``max_events`` steps (default :data:`MAX_EVENTS`) and ``max_moves`` moves (default
     :data:`MAX_MOVES`) in all (``None``: no such bound), and beyond those bounds still the newest
-    migration and every one with a step queued, copying or in flight. Older migrations leave it
-    whole, oldest first, so what it has of a migration (the control endpoint's ``status``) is all
-    of it or nothing. The totals (:attr:`steps_completed`, :attr:`step_seconds`) count every step
-    since the start, whatever the log still holds.
+    migration, the one whose step completed last (its follower's next poll finds its last step),
+    and every one with a step queued, copying or in flight. Older migrations leave it whole, oldest
+    first, so what it has of a migration (the control endpoint's ``status``, which says
+    ``trimmed`` for one it no longer holds) is all of it or nothing. The totals
+    (:attr:`steps_completed`, :attr:`step_seconds`) count every step since the start, whatever the
+    log still holds.
     """
 
     def __init__(self, control: Control, probe: Probe, table: Sequence[int] | None = None,
@@ -179,6 +181,7 @@ class Controller:
         self._steps_completed = 0  # every step completed since the start (the log may hold fewer)
         self._step_seconds = 0.0  # their durations, summed
         self._last_step_seconds: float | None = None  # the latest completed step's
+        self._last_done: int | None = None  # the migration of the latest completed step
         self._queue: deque[StepEvent] = deque()
         self._in_flight: StepEvent | None = None  # issued, not yet complete
         self._ahead: StepEvent | None = None  # its bins are being copied ahead (the next to issue)
@@ -260,6 +263,7 @@ class Controller:
             self._steps_completed += 1
             self._step_seconds += ev.duration
             self._last_step_seconds = ev.duration
+            self._last_done = ev.migration
             self._trim()
             self._notify(ev, "completed")
         if self.control.closed:
@@ -306,11 +310,13 @@ class Controller:
 
     def _trim(self) -> None:
         """Beyond ``max_events`` steps or ``max_moves`` moves, drop the oldest migrations from the
-        log, each whole (its steps lie together: :meth:`start` appends them at once), but neither
-        the newest nor one still running: the steps run in the order they were started (one queue,
-        one step in flight), so a migration older than the oldest unfinished step's is finished. A
-        client following a migration (``python -m megaphone.rebalance``: the endpoint's ``status``
-        with ``since``) thus sees every step of it, also of one longer than the bounds."""
+        log, each whole (its steps lie together: :meth:`start` appends them at once), but not the
+        newest, not the one whose step completed last, and not one still running: the steps run in
+        the order they were started (one queue, one step in flight), so a migration older than the
+        oldest unfinished step's is finished. A client following a migration (``python -m
+        megaphone.rebalance``: the endpoint's ``status`` with ``since``) thus sees every step of it,
+        also of one longer than the bounds, unless two newer migrations finished before its next
+        poll (``status`` then says ``trimmed``)."""
         events = self.events
 
         def over() -> bool:
@@ -321,6 +327,8 @@ class Controller:
             return
         pending = [e for e in (self._in_flight, self._ahead, self._queue[0] if self._queue else None) if e is not None]
         keep = min((e.migration for e in pending), default=self._migrations - 1)
+        if self._last_done is not None:  # and the one that finished last: its follower's last poll finds it
+            keep = min(keep, self._last_done)
         while events and events[0].migration < keep and over():
             oldest = events[0].migration
             while events and events[0].migration == oldest:

@@ -86,13 +86,18 @@ def status(controller: Controller, migration: int | None = None, since: int = 0,
 
     ``completed`` lists completed steps from the ``since``-th on (in completion order, which is
     issue order: one step is in flight at a time; at most ``limit``; ``completed_count`` has the
-    total), ``queued`` the first ``limit`` queued steps (``queued_count`` all of them); ``done`` is
-    true once every step has completed.
+    number of them the controller's log holds, ``completed_total`` every step completed since the
+    start), ``queued`` the first ``limit`` queued steps (``queued_count`` all of them); ``done`` is
+    true once every step has completed. ``trimmed`` is true for a migration the bounded log no
+    longer holds (:class:`~megaphone.controller.Controller`: it drops only finished ones).
     """
     evs = [e for e in controller.events if migration is None or e.migration == migration]
     done = [e for e in evs if e.state == "completed"]
     queued = [e for e in evs if e.state == "queued"]
+    trimmed = migration is not None and not evs and 0 <= migration < controller.migrations
     return {
+        "trimmed": trimmed,
+        "completed_total": controller.steps_completed,
         "busy": controller.busy,
         "migrations": controller.migrations,
         "control_time": controller.control.time,

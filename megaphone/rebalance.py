@@ -102,7 +102,7 @@ def _print_status(endpoint: str, timeout: float, out: Any, secret: JobSecret | N
     print(f"table ({t['nbins']} bins, {t['peers']} workers): {','.join(map(str, t['table']))}", file=out)
     if "routing_table" in t:
         print(f"operator routing table: {','.join(map(str, t['routing_table']))}", file=out)
-    print(f"control time {s['control_time']}; {s['completed_count']} steps completed, "
+    print(f"control time {s['control_time']}; {s.get('completed_total', s['completed_count'])} steps completed, "
           f"{len(s['in_flight'])} in flight, {s['queued_count']} queued", file=out)
     for ev in s["in_flight"]:
         print(f"  in flight: migration {ev['migration']} step {ev['index'] + 1}/{ev['steps']}, "
@@ -137,6 +137,10 @@ def follow(endpoint: str, migration: int, total: int, timeout: float, interval: 
                 else:
                     print(line, file=out, flush=True)
             seen += len(s["completed"])
+            if s.get("trimmed"):  # finished, and dropped from the controller's bounded log meanwhile
+                print(f"migration {migration}: its remaining steps are no longer in the controller's log "
+                      "(it keeps the newest migrations); it has completed", file=out)
+                break
             if s["done"] and seen >= s["completed_count"]:
                 break
             if seen >= s["completed_count"]:

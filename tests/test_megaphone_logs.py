@@ -176,21 +176,22 @@ def test_controller_bounds_the_moves_its_log_holds():
     run_to_completion(ctl, control, probe)
     assert [e.migration for e in ctl.events] == [big]
     ctl.start([{0: 0}])
-    assert [e.migration for e in ctl.events] == [big + 1]
+    assert [e.migration for e in ctl.events] == [big, big + 1]  # (the one that finished last stays too)
 
 
 def test_controller_keeps_every_step_of_a_running_migration():
     """A migration longer than the bound (fluid: one bin per step) keeps all its steps while it runs
-    and while it is the newest: the endpoint's status pages through them (``since``, as
-    ``python -m megaphone.rebalance`` follows one); they go, all at once, when the next one starts."""
+    and while it is the newest or the one that finished last: the endpoint's status pages through
+    them (``since``, as ``python -m megaphone.rebalance`` follows one); they go, all at once, once
+    a newer one has finished too."""
     control, probe = FakeControl(k=6, peers=2), FakeProbe()
     ctl = Controller(control, probe, table=balanced(64, 2), max_events=5)
     ctl.start([{0: 1}, {1: 0}])
     run_to_completion(ctl, control, probe)
     mid = ctl.rebalance([1 - w for w in ctl.current_table], "fluid")  # 64 steps
-    assert len(ctl.events) == 64, "the queued steps of a running migration stay in the log"
+    assert len(ctl.events) == 66, "the queued steps of a running migration stay in the log"
     assert ctl.steps_queued == 64 and ControllerMetrics(ctl).metrics()["values"]["steps_queued"] == 64
-    assert [e.migration for e in ctl.events] == [mid] * 64, "the finished one before it left"
+    assert [e.migration for e in ctl.events] == [0, 0] + [mid] * 64, "the one that finished last stays"
     seen = 0
     while ctl.busy:
         control.time += 1
@@ -203,7 +204,7 @@ def test_controller_keeps_every_step_of_a_running_migration():
     assert seen == 64 and s["done"] and len(ctl.events) == 64, "the newest migration stays whole"
     assert ctl.steps_completed == 66
     nxt = ctl.start([{0: 0}])
-    assert [e.migration for e in ctl.events] == [nxt]
+    assert [e.migration for e in ctl.events] == [mid] * 64 + [nxt]  # (mid finished last: it stays)
 
 
 def test_controller_default_bound():
@@ -345,3 +346,77 @@ def test_a_repeated_replica_request_is_logged_once():
         (None, "a replica is on worker 1 already"), ("a copy to another worker was requested", None),
         (None, "a replica is on worker 2 already")]
     assert f.copies[0].target == 2 and f.replicas == 1
+
+
+class _Control:
+    nbins, peers, closed = 8, 2, False
+
+    def __init__(self):
+        self.time = 0
+
+    def moves(self, m):
+        self.time += 1
+
+    def precopy(self, m):
+        pass
+
+
+class _Probe:
+    def __init__(self):
+        self.done = -1
+
+    def less_equal(self, t):
+        return t > self.done
+
+
+def test_a_followed_migration_that_just_finished_stays_in_the_log_and_a_trimmed_one_says_so():
+    """The log dropped a migration whose last step had just completed while a newer one waited: its
+    follower's next poll found no steps, took that for done and never printed the last step."""
+    import io
+
+    import megaphone.rebalance as rb
+    from megaphone.controller import Controller
+    from megaphone.endpoint import status
+
+    control, probe = _Control(), _Probe()
+    c = Controller(control, probe, table=[0] * 8, max_events=4)
+    c.rebalance([1, 1, 1, 1, 0, 0, 0, 0], "fluid")  # migration 0: four steps, the log's bound
+    while c.busy:
+        c.tick()
+        probe.done = control.time
+    followed = c.rebalance([0, 0, 1, 1, 0, 0, 0, 0], "fluid")  # two steps
+    c.tick()
+    probe.done = control.time
+    c.tick()
+    seen = len(status(c, migration=followed)["completed"])
+    assert seen == 1
+    c.tick()
+    probe.done = control.time
+    newer = c.rebalance([0, 0, 0, 0, 0, 0, 0, 1], "fluid")  # queued before the last step is seen done
+    c.tick()  # the followed migration's last step completes: the log is over its bound
+    s = status(c, migration=followed, since=seen)
+    assert [e["index"] for e in s["completed"]] == [1] and s["done"] and not s["trimmed"]
+    assert status(c)["completed_total"] == c.steps_completed == 6
+    # Once the newer one has finished too, the followed one may leave the log: status says so.
+    while c.busy:
+        c.tick()
+        probe.done = control.time
+    c.rebalance([1, 0, 0, 0, 0, 0, 0, 0], "fluid")
+    while c.busy:
+        c.tick()
+        probe.done = control.time
+    assert not any(e.migration == followed for e in c.events) and newer > followed
+    assert status(c, migration=followed)["trimmed"]
+    out = io.StringIO()
+    calls = []
+
+    def call(endpoint, req, timeout, secret):
+        calls.append(req)
+        return status(c, req.get("migration"), req.get("since", 0))
+
+    original, rb.call = rb.call, call
+    try:
+        rb.follow("x", followed, 2, 1.0, 0.0, out)
+    finally:
+        rb.call = original
+    assert "no longer in the controller's log" in out.getvalue() and len(calls) == 1
