@@ -10,7 +10,7 @@ from typing import Any
 
 import msgpack
 
-from ._native.hashing import add_keys, bins_of, gather, hash64, partition, route_bins
+from ._native.hashing import add_keys, bins_of, gather, hash64, hash_batch, partition, route_bins
 
 __all__ = ["add_keys", "bins_of", "gather", "hash64", "partition", "route_bins", "serialisable", "unroutable"]
 
@@ -20,10 +20,8 @@ def unroutable(batch: Any, key: Any) -> Any:
     index, a function, or ``None`` for the whole record) cannot be taken or hashed, to name it in
     an error (``None`` if every one can)."""
     for record in batch:
-        if isinstance(key, int) and not isinstance(record, (tuple, list)):
-            return record  # a field index needs tuple or list records (the native rule), not any subscriptable
         try:
-            hash64(record if key is None else record[key] if isinstance(key, int) else key(record))
+            hash_batch([record], key)  # the native rules themselves (a field index needs a tuple or list)
         except Exception:
             return record
     return None
