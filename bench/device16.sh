@@ -10,7 +10,9 @@
 #
 # Sections: scaling latency migration autobalance (the default: the first run's figures), and the
 # shorter scaling-ends latency-ends precopy autobalance-target (the rerun after the changes), and
-# relay (the progress modes compared).
+# relay (the progress modes compared), relay16 (the same, open loop at 16 workers only), profile
+# (worker 0's cProfile and every thread's CPU at 2 and 16 workers), precopy40 (the scale-out with
+# the issue's 40 M keys).
 #
 # Every section writes its full output under $OUT and has its own time limit; the log ends with
 # each section's table.
@@ -23,7 +25,8 @@ t0=$(date +%s)
 if ! python3 -c "import zmq" 2>/dev/null; then
     pip install -q --no-index --target /tmp/site .whl/*.whl || exit 1
 fi
-python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+# At most 8 files come back from a device run: the build log stays outside $OUT unless it failed.
+python3 setup.py -q build_ext --inplace >/tmp/build.log 2>&1 || { tail -20 /tmp/build.log; exit 1; }
 echo "cores: $(nproc); $(python3 --version); built in $(( $(date +%s) - t0 )) s"
 
 section() {  # section NAME LIMIT_S command...
@@ -55,6 +58,18 @@ for s in $SECTIONS; do
             --progress direct relay
         section relay-latency 120 python3 bench/scaling.py --workload q3-flex --workers 8 16 --runs 2 \
             --latency-only --rate 125000 --duration 6 --progress direct relay ;;
+    relay16)  # the open loop's latency at 16 workers, progress direct or through worker 0
+        section relay16 70 python3 bench/scaling.py --workload q3-flex --workers 16 --runs 2 \
+            --latency-only --rate 125000 --duration 6 --progress direct relay ;;
+    profile)  # where worker 0's CPU goes, and the CPU of every worker thread, at 2 and 16 workers
+        section profile-open 60 python3 bench/worker_profile.py --workload q3-flex --workers 2 16 \
+            --rate 125000 --duration 6 --top 25 --dir /tmp/prof
+        section profile-closed 45 python3 bench/worker_profile.py --workload q3 --workers 2 16 \
+            --events 8000000 --window 0 --top 25 --dir /tmp/prof ;;
+    precopy40)  # the issue's 40 M keys, 4 -> 8 workers: pre-copy at the default (idle-paced) share, and restart
+        section precopy40 110 python3 bench/migration.py --workers 8 --spare 4 --keys 40000000 \
+            --rate 400000 --duration 20 --migrate-at 5 --runs 1 --strategies batched+precopy,restart \
+            --out /tmp/precopy40 --no-plot ;;
     migration)  # scale-out 4 -> 8 workers of a large keyed count, every strategy in the same run
         section migration 150 python3 bench/migration.py --workers 8 --spare 4 --keys 10000000 \
             --rate 400000 --duration 14 --migrate-at 5 --runs 1 \
