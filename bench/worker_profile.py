@@ -26,6 +26,8 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import timely
 
@@ -36,10 +38,10 @@ import peers  # noqa: F401
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _between_cpu_calls(module_name: str, job: str, path: str, worker: timely.Worker) -> object:
+def _between_cpu_calls(module_name: str, job: str, path: str, worker: timely.Worker) -> Any:
     """Run ``module.job(worker)``, on worker 0 profiled between its first and second call of
     ``module._cpu`` (the measured phase of the closed-loop jobs)."""
-    module = sys.modules[module_name]
+    module: Any = sys.modules[module_name]
     inner = getattr(module, job)
     if worker.index != 0:
         return inner(worker)
@@ -61,7 +63,7 @@ def _between_cpu_calls(module_name: str, job: str, path: str, worker: timely.Wor
         module._cpu = real
 
 
-def _whole(inner: object, path: str, worker: timely.Worker) -> object:
+def _whole(inner: Callable[[timely.Worker], Any], path: str, worker: timely.Worker) -> Any:
     """Run ``inner(worker)``, on worker 0 under cProfile from start to end."""
     if worker.index != 0:
         return inner(worker)
@@ -122,7 +124,8 @@ class Sampler(threading.Thread):
 
     def __init__(self, workers: int, at: float, window: float) -> None:
         super().__init__(daemon=True)
-        self.workers, self.at, self.window, self.result = workers, at, window, None
+        self.workers, self.at, self.window = workers, at, window
+        self.result: tuple[int, float, dict[str, list[float]], float] | None = None
 
     def run(self) -> None:
         deadline = time.monotonic() + 60
@@ -158,9 +161,10 @@ def _report_profile(path: str, top: int) -> None:
         print("  profile: worker 0 wrote none")
         return
     st = pstats.Stats(path)
-    total = st.total_tt
+    total = st.total_tt  # type: ignore[attr-defined]  # (pstats' attributes are not in its stubs)
     print(f"  worker 0 profiled CPU: {total:.3f} s; top {top} by own time:")
-    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    rows = sorted(st.stats.items(),  # type: ignore[attr-defined]
+                  key=lambda kv: kv[1][2], reverse=True)[:top]
     for (file, line, fn), (_cc, nc, tt, ct, _callers) in rows:
         where = f"{os.path.basename(file)}:{line}({fn})" if line else fn
         print(f"    {100 * tt / total:5.1f}% own {tt:7.3f} s  cum {ct:7.3f} s  calls {nc:9d}  {where}")

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import pickle
 import random
@@ -286,4 +287,24 @@ def test_copies_take_more_of_an_idle_worker_and_the_floor_of_a_busy_one():
     assert paced_share(0.05, 2.0, 1.2) == pytest.approx(IDLE_FRACTION * 0.4)  # 40% idle
     assert paced_share(0.5, 1.0, 0.0) == 0.5  # a floor above MAX_SHARE stays
     assert paced_share(0.05, 0.0, 0.0) == 0.05  # no window yet
+
+
+def test_the_pace_averages_the_idle_time_over_a_window_not_the_last_gap():
+    """One gap between slices that held an epoch's work does not pace the next slice at the floor:
+    the busy share is a mean over about IDLE_WINDOW seconds (before, the last gap alone set it,
+    and the slow slices after busy gaps set the copy's pace)."""
+    from megaphone.precopy import IDLE_WINDOW, smoothed_busy
+
+    assert smoothed_busy(None, 0.002, 0.001) == 0.5  # the first reading as it is
+    assert smoothed_busy(0.3, 0.0, 0.0) == 0.3  # no time passed: unchanged
+    busy = None
+    for _ in range(1000):  # a second of gaps, 30% busy
+        busy = smoothed_busy(busy, 0.001, 0.0003)
+    assert busy == pytest.approx(0.3)
+    after = smoothed_busy(busy, 0.002, 0.002)  # one wholly busy gap of 2 ms
+    assert after - busy == pytest.approx((1 - math.exp(-0.002 / IDLE_WINDOW)) * 0.7)  # < 1% of the way
+    for _ in range(4000):  # alternating wholly busy and wholly idle gaps: the mean, not the last
+        busy = smoothed_busy(busy, 0.001, 0.001 if _ % 2 else 0.0)
+    assert busy == pytest.approx(0.5, abs=0.01)
+    assert smoothed_busy(0.0, 10.0, 13.0) == 1.0  # waiting for a CPU counts as busy; at most all
 

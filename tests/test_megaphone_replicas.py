@@ -422,6 +422,33 @@ def test_copy_slices_wait_for_an_idle_worker_unless_overdue():
     assert f.step(edge, busy=True) is not None and len(edge.flight) > sent  # copies all the same
 
 
+def test_an_idle_threads_overdue_slices_come_at_its_paced_share(monkeypatch):
+    """How long a slice waits for an idle worker past the rate limit follows the share it was
+    paced at: a worker whose thread is mostly idle, but which routes records in every activation
+    (``busy``: records each epoch), runs its overdue slices that much sooner. At ``share`` it
+    copied at half of SHARE however idle its thread was."""
+    owner = Shared("model", 1, 0, 2)
+    for key in range(100_000):
+        owner.bins[0].state[key] = [key]
+    edge = Edge()
+    monkeypatch.setattr(pc, "_thread_times", lambda: (0.0, 0.0))  # the thread never runs: idle
+
+    def paced_at() -> float:
+        """The share the last slice was paced at: it began at ``resume - grace`` (resume = began +
+        spent / share, grace = spent / share) and ended at ``_slice_end``."""
+        began = f.resume - f._grace
+        return (f._slice_end[0] - began) / f._grace
+
+    f = PreCopier(owner, chunk=3, budget=0.001, min_entries=0, share=0.05)
+    f.start(0, 1, Cap(edge, 1), edge)
+    f.step(edge)  # the first slice: no reading of idle time yet, paced at share
+    assert paced_at() == pytest.approx(0.05)
+    _time.sleep(0.01)  # idle since
+    f.resume = 0.0
+    f.step(edge)
+    assert pc.MAX_SHARE > 0.05 and paced_at() == pytest.approx(pc.MAX_SHARE)
+
+
 def test_a_copy_slice_gives_way_to_waiting_work_after_one_chunk():
     """A slice ends after the chunk it is sending once other work waits (``waiting``: a message
     from a peer, another operator scheduled) and it ran ``min_slice``; with none, it sends until
