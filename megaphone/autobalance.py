@@ -293,8 +293,9 @@ class Steering:
         controller.add_poller(self.poll)
 
     def status(self) -> dict[str, Any]:
-        """The table, the planned table, the latest migration steps and the AutoBalancer's decisions
-        (as of the last refresh: kept fresh, every 0.2 s, for 10 s after each call)."""
+        """The table, the planned table, the latest migration steps, the AutoBalancer's newest
+        decisions and how many it made (as of the last refresh: kept fresh, every 0.2 s, for 10 s
+        after each call)."""
         self._watched_until = _time.monotonic() + 10.0
         return self._status
 
@@ -379,6 +380,7 @@ class Steering:
             "table": list(c.current_table), "planned": list(c.planned_table), "nbins": c.nbins, "peers": c.peers,
             "busy": c.busy, "migrations": c.migrations, "steps": [e.as_dict() for e in _newest(c.events, 64)],
             "decisions": _newest(b.decisions, 16) if b is not None else None,
+            "decided": b.decided if b is not None else None,  # all of them (decisions: the newest 16)
             "needed": b.needed if b is not None else None,
             "imbalance": b.policy.last_imbalance if b is not None else None,
         }

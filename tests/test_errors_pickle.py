@@ -121,6 +121,23 @@ def test_unpickled_errors_keep_their_classes_and_notes():
     assert str(pickle.loads(pickle.dumps(op))) == str(op)
 
 
+def test_an_operator_error_whose_cause_cannot_be_pickled_pickles_naming_it():
+    """A cause of a class defined in a function (or holding a lock) cannot be pickled; the error
+    still crosses a process boundary, its cause a RuntimeError naming the original, its message
+    (with the original traceback) unchanged. A cause that pickles stays as it is."""
+
+    class Local(ValueError):
+        pass
+
+    exc = OperatorError("Map#1", 0, Local("bad record 7"))
+    back = pickle.loads(pickle.dumps(exc))
+    assert isinstance(back, OperatorError) and str(back) == str(exc)
+    assert type(back.cause) is RuntimeError and "Local: bad record 7" in str(back.cause)
+    assert exc.cause.__class__ is Local  # the original is left alone
+    kept = pickle.loads(pickle.dumps(OperatorError("Map#1", 0, KeyError("k"))))
+    assert type(kept.cause) is KeyError and kept.cause.args == ("k",)
+
+
 def _failing_job(_: object) -> list:
     def main(worker):
         with worker.dataflow() as scope:

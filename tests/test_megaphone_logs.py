@@ -112,6 +112,7 @@ def test_autobalancer_keeps_the_newest_decisions_as_moves_and_counts_them_all(mo
     assert values["decisions"] == made  # every decision since the start, not the ones kept
     steering._refresh()
     assert [d["migration"] for d in steering.status()["decisions"]] == list(range(made - 8, made))
+    assert steering.status()["decided"] == made  # the dashboard's count: all, not the 16 it lists
     # Large decisions: the bins they name are bounded too (the newest always stays).
     balancer.max_decision_bins = 40  # (applies from the next decision on)
     for _ in range(10):

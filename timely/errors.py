@@ -8,6 +8,7 @@ may raise its errors.
 """
 from __future__ import annotations
 
+import pickle
 import traceback
 from typing import Any, NoReturn
 
@@ -64,6 +65,19 @@ class OperatorError(TimelyError, RuntimeError):
         self.cause = cause
         tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
         super().__init__(f"worker {worker}: operator '{operator}' failed: {cause!r}\n{tb}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        rebuild, args, state = super().__reduce__()
+        cause = state.get("cause") if state else None
+        if cause is not None:
+            try:
+                pickle.dumps(cause, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:  # a class defined in a function, a cause holding a lock or a socket
+                # The error must still cross a process boundary (a ProcessPoolExecutor, a Spark
+                # task): its cause goes as a RuntimeError naming it, as the cluster hands it back.
+                state = {**state, "cause": RuntimeError(
+                    f"{type(cause).__qualname__}: {cause} (the original exception could not be pickled)")}
+        return rebuild, args, state
 
 
 class OperatorStuckError(OperatorError):

@@ -75,7 +75,8 @@ function drawSteps(steering) {
     `<tr data-state="${s.state}"><td>${s.migration}</td><td>${s.index + 1}/${s.steps}</td><td>${s.state}</td>` +
     `<td>${s.bins.join(" ")}</td><td>${s.duration == null ? (s.elapsed ? fmt(s.elapsed) : "") : s.duration.toFixed(3)}</td></tr>`).join("");
   const d = steering.decisions;
-  $("decisions").textContent = d && d.length ? `AutoBalancer: ${d.length} decision(s), last moved bins ` +
+  // decided counts every decision; decisions holds the newest 16 only.
+  $("decisions").textContent = d && d.length ? `AutoBalancer: ${steering.decided ?? d.length} decision(s), last moved bins ` +
     d[d.length - 1].bins.join(" ") : (d ? "AutoBalancer: watching" : "");
   $("needed").textContent = steering.needed == null ? "–" : String(steering.needed);
 }
