@@ -3,6 +3,7 @@ endpoint serves every worker's figures, and a port in use or a bad option is a c
 from __future__ import annotations
 
 import socket
+import time
 import urllib.request
 from collections import Counter
 
@@ -274,3 +275,42 @@ def test_a_bin_counter_keeps_one_series_across_a_migration():
     assert (series[0][bin1], series[1][bin1]) == (7, 9)
     owner1 = ("megaphone_bin_owner", (("bin", "1"), ("operator", "Count")))
     assert (scrapes[0][owner1], scrapes[1][owner1]) == (0, 1)
+
+
+def test_a_worker_running_dataflow_after_dataflow_reports_a_bounded_snapshot(monkeypatch):
+    """Past KEEP_RETIRED completed dataflows the oldest are summed into one row: the snapshot stays
+    bounded, the totals stay the true ones (the sum of every dataflow's records), and the hub gives
+    the folded row no rate although it grows between reports."""
+    from timely.metrics import core
+    from timely.metrics.hub import Hub
+
+    monkeypatch.setattr(core, "KEEP_RETIRED", 4)
+    sizes = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+
+    def main(worker):
+        hub, seen = Hub(None, 1), []
+        for n in sizes:
+            with worker.dataflow("batch") as scope:
+                inp = scope.new_input()
+                inp.stream.map(lambda x: x, name="Double").probe()
+            inp.send_batch(list(range(n)))
+            inp.close()
+            worker.step_while(worker.has_dataflows, timeout=10)
+            snap = worker.metrics.snapshot()
+            hub.put(snap)
+            seen.append((snap["operators"], hub.view()["operators"]))
+            time.sleep(0.01)
+        hub.close()
+        return seen
+
+    (seen,) = timely.execute(main, workers=1)
+    for i, (rows, view) in enumerate(seen):
+        done = sizes[:i + 1]
+        maps = [r for r in rows if r[2].startswith("Double")]
+        assert len(maps) == min(len(done), 4)  # the newest, one by one
+        folded = [r for r in rows if r[1] == core.FOLDED_INDEX]
+        assert len(folded) == (1 if len(done) > 4 else 0)
+        # the true totals: every dataflow's Map and input saw its records once, folded or not
+        assert sum(r[3] for r in rows) == 2 * sum(done)
+        assert all(v["records_in_per_s"] == 0.0 for v in view if v["index"] == core.FOLDED_INDEX)
+    assert len(seen[-1][0]) == 4 * 3 + 1  # (input, map, probe) per dataflow kept, and the folded row

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +102,15 @@ class LagProbe:
         return {"frontier": t if isinstance(t, (int, float)) else repr(t), "lag_s": lag}
 
 
+#: Completed dataflows whose operators a worker reports one by one (the newest); the counts of
+#: older ones are summed into one row whose dataflow and operator are :data:`FOLDED_LABEL` and
+#: whose index is :data:`FOLDED_INDEX`. That row grows only as dataflows are folded into it, so
+#: the hub gives it no rate.
+KEEP_RETIRED = 64
+FOLDED_LABEL = "(completed earlier)"
+FOLDED_INDEX = -1
+
+
 class WorkerMetrics:
     """The metrics of one worker (``worker.metrics``): :meth:`snapshot` reads every counter."""
 
@@ -112,7 +122,10 @@ class WorkerMetrics:
         self._mailbox = getattr(worker.allocator, "_mailbox", None)
         self._links = getattr(worker.allocator, "_links", None)
         self.lags: list[LagProbe] = []
-        self.retired: list[list[Any]] = []  # the final rows of the dataflows that completed
+        #: The final rows of the newest :data:`KEEP_RETIRED` dataflows that completed, a list per
+        #: dataflow; older ones are summed into :attr:`folded`.
+        self.retired: deque[list[list[Any]]] = deque()
+        self.folded: list[Any] | None = None  # the one row (FOLDED_LABEL) of the rest, or None
         #: Held while the worker moves completed dataflows from its list to :attr:`retired`, and
         #: while a report reads both (invariant: a report sees each dataflow's rows exactly once).
         self.lock = threading.Lock()
@@ -176,15 +189,26 @@ class WorkerMetrics:
 
     def retire(self, dataflows: list[Any]) -> None:
         """Keep the final counts of ``dataflows``, which have completed (the worker lets them go,
-        holding :attr:`lock` for both)."""
-        self.retired.extend(self.rows(dataflows))
+        holding :attr:`lock` for both). Past :data:`KEEP_RETIRED` completed dataflows, the oldest
+        are summed into one row: a worker that runs dataflow after dataflow keeps a bounded
+        snapshot (one row per operator of 50,000 dataflows passed the hub's message limit, and
+        its metrics were dropped) and a bounded set of Prometheus labels."""
+        for df in dataflows:
+            self.retired.append(self.rows([df]))
+        while len(self.retired) > KEEP_RETIRED:
+            for row in self.retired.popleft():
+                if self.folded is None:
+                    self.folded = [FOLDED_LABEL, FOLDED_INDEX, FOLDED_LABEL, 0, 0, 0.0, 0]
+                for i in range(3, 7):
+                    self.folded[i] += row[i]
 
     def operators(self) -> list[list[Any]]:
         """The rows (:meth:`rows`) of every dataflow of the worker, completed ones included, each
-        dataflow once."""
+        dataflow once (the oldest completed ones in one row, :data:`FOLDED_LABEL`)."""
         with self.lock:
             live = list(getattr(self.worker, "_dataflows", ()))
-            return self.retired + self.rows(live)
+            folded = [] if self.folded is None else [list(self.folded)]
+            return folded + [row for rows in self.retired for row in rows] + self.rows(live)
 
     def snapshot(self) -> dict[str, Any]:
         """Every counter of this worker now (cumulative), as a msgpack-friendly dict."""

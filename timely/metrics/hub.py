@@ -20,6 +20,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from .core import FOLDED_INDEX
+
 #: Seconds :meth:`Reporter.stop` waits for the reporter's thread (its last report and socket close).
 STOP_WAIT = 2.0
 
@@ -215,7 +217,9 @@ class Hub:
             busy = 0.0
             for row in new["operators"]:
                 o = old_ops.get((row[0], row[1]))
-                rates = [_rate(row[i], o[i], dt) if o is not None else 0.0 for i in (3, 4, 5)]
+                # (the folded row of dataflows completed earlier grows only by folding: no rate)
+                rates = [_rate(row[i], o[i], dt) if o is not None and row[1] != FOLDED_INDEX else 0.0
+                         for i in (3, 4, 5)]
                 busy += rates[2]
                 ops.append({"worker": w, "dataflow": row[0], "index": row[1], "operator": row[2],
                             "records_in": row[3], "records_out": row[4], "busy_seconds": row[5],
