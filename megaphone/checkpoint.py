@@ -160,11 +160,18 @@ class BinCheckpoint:
 
     def offer_passed(self, frontiers: Sequence[Any]) -> None:
         """Offer the epochs that all of S's input ``frontiers`` have passed; once they are all empty
-        (the inputs ended, every time applied), close the participant: its bins change no more."""
+        (the inputs ended, every time applied), offer the bins changed since the last offer at the
+        next checkpoint epoch and close the participant: its bins change no more."""
         low = [t for f in frontiers for t in f]
         if low:
             self.offer_before(min(low))
         elif not self.closed:
+            # The inputs ended: the bins changed since the last offer go out at the next checkpoint
+            # epoch (their state reflects every input by then) before the close. A closed
+            # participant's last offer is taken as its final state, so changes not offered were
+            # missing from every later checkpoint while another dataflow went on.
+            if self.shared.dirty:
+                self.offer_before(self.next_epoch + 1)
             self.closed = True
             self.participant.close()
 

@@ -290,6 +290,23 @@ def test_offers_hold_exactly_the_dirty_bins():
     assert table[quiet] == 0 and "table" not in offers[1][4][1]
 
 
+def test_changes_after_the_last_checkpoint_epoch_are_offered_before_the_participant_closes():
+    """Input that ends between two checkpoint epochs: the bins its last epochs changed go out at the
+    next checkpoint epoch, before the participant closes. A closed participant's last offer stands
+    for its state in every later checkpoint (while another dataflow goes on), so changes not offered
+    were missing from them."""
+    epochs = random_epochs(7, 20, seed=5)  # ends between two checkpoint epochs (EVERY = 2): 6 < 7 < 8
+    assert epochs[6], "the last epoch must change some bin"
+    offers = [o for _, o in run(job(epochs, {}, 3, count_sm), workers=2)]
+    last = max(e for o in offers for e, _, _ in o["megaphone/Counts"])
+    assert last == 8
+    for o in offers:  # a worker that had nothing left to offer: its last offer stands (closed)
+        if o["megaphone/Counts"][-1][0] < last:
+            o["megaphone/Counts"].append((last, {}, o["megaphone/Counts"][-1][2]))
+    ck = commit(None, offers, 2, stop=last + 1)
+    assert decode_counts(ck, "megaphone/Counts") == sequential_counts(epochs, len(epochs))
+
+
 def test_checkpoint_state_is_the_sequential_state_under_migrations():
     """At every checkpoint epoch (migrations at checkpoint epochs and between), the merged bins are
     the sequential counts over the epochs before it."""
