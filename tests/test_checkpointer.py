@@ -95,6 +95,22 @@ def test_a_closed_participant_no_longer_holds_checkpoints_back(tmp_path):
     ck.close()
 
 
+def test_a_participant_registered_after_a_checkpoint_epoch_was_handed_is_refused(tmp_path):
+    """A dataflow built once the worker had handed a checkpoint epoch without it would offer from
+    the first epoch past the resume epoch, which is gone: its state would be in no checkpoint, and
+    nothing would say so. It is refused, naming the participant and the epoch."""
+    (ck,) = workers(str(tmp_path), 1)
+    early = ck.register("early")
+    late_but_in_time = ck.register("second")  # before any epoch was handed: fine
+    early.offer(2, {"k": b"1"})
+    late_but_in_time.offer(2, {})
+    with pytest.raises(CheckpointError, match="'late'.*handed checkpoint epoch 2"):
+        ck.register("late")
+    ck.flush()
+    ck.close()
+    assert Store(str(tmp_path), JOB).latest().epoch == 2
+
+
 def test_a_storage_error_fails_the_job_and_keeps_the_previous_checkpoint(tmp_path):
     if os.geteuid() == 0:
         pytest.skip("root ignores file permissions")
@@ -143,6 +159,30 @@ def test_another_jobs_checkpoint_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="another job: dataflow 'df'"):
         again.built("df", 2)
     again.close()
+
+
+def test_a_checkpoint_with_participants_the_job_does_not_register_is_refused(tmp_path):
+    """A job that registers only some of a checkpoint's participants is another job: refused once
+    its participants are final (its first handed epoch, at the next poll, or its end), naming the
+    manifest and the participants it lacks."""
+    (ck,) = workers(str(tmp_path), 1)
+    a, b = ck.register("a"), ck.register("b")
+    a.offer(2, {})
+    b.offer(2, {})
+    ck.flush()
+    ck.close()
+    (again,) = workers(str(tmp_path), 1)
+    only_a = again.register("a")
+    only_a.offer(4, {})  # hands epoch 4: no participant may register from now on
+    with pytest.raises(CheckpointError, match=r"another job: it has participants \['b'\]"):
+        again.poll()
+    again.close()
+    (ended,) = workers(str(tmp_path), 1)
+    ended.register("a")
+    with pytest.raises(CheckpointError, match="manifests/.*participants \\['b'\\]"):
+        ended.flush()  # a job that ends before handing any epoch
+    ended.close()
+    assert Store(str(tmp_path), JOB).latest().epoch == 2
 
 
 def test_worker_checkpoint_is_none_without_checkpoints():
@@ -200,6 +240,33 @@ def test_restarts_resume_from_the_latest_checkpoint_and_stop_at_final_errors(tmp
     assert calls == [1]
     with pytest.raises(ValueError, match="need"):
         run_restarting(lambda c: killed, 1, None, lines.append)
+
+
+def test_a_rescaled_launch_under_a_reused_token_still_commits(tmp_path):
+    """The run is named by the job's token (``--token``, ``TIMELY_TOKEN``: a user may fix it), the
+    number of workers and the attempt: a launch on 2 workers after one on 4 under the same token
+    found the reached markers of the earlier workers 2 and 3 under its own name and never
+    committed, silently."""
+    from timely.checkpoint.checkpointer import CheckpointConfig
+
+    config = CheckpointConfig(str(tmp_path), 2)
+    four = [Checkpointer.open(config, i, 4, "a-fixed-token") for i in range(4)]
+    for ck in four:
+        ck.register("s").offer(2, {})
+    settle(four, lambda: four[0].stats()["commits"] == 1)
+    for ck in four:
+        ck.flush()
+        ck.close()
+    two = [Checkpointer.open(config, i, 2, "a-fixed-token") for i in range(2)]
+    assert [ck.resume_epoch for ck in two] == [2, 2]
+    for ck in two:
+        ck.register("s").offer(4, {f"k{ck.index}": b"v"})
+    settle(two, lambda: two[0].stats()["commits"] == 1)
+    for ck in two:
+        ck.flush()
+        ck.close()
+    m = Store(str(tmp_path), JOB).latest()
+    assert (m.epoch, m.peers) == (4, 2)
 
 
 def test_a_missing_part_is_refused_naming_the_file(tmp_path):

@@ -151,6 +151,7 @@ class Checkpointer:
         self._closing = threading.Event()  # set by close(): the writer drops every task it has not begun
         self._error: BaseException | None = None
         self._handed: int = self.resume_epoch  # the newest epoch handed to the writer (part or reached)
+        self._registered_checked = False  # _check_registered ran
         self._committed: int = self.resume_epoch  # worker 0: the newest epoch committed
         self._last_meta: Any = None  # the meta of the newest part handed to the writer
         self._reached: list[int] | None = None  # the open reached marker's epoch, while its write is queued
@@ -170,9 +171,12 @@ class Checkpointer:
     def open(cls, config: CheckpointConfig, index: int, peers: int, job_id: str = "") -> Checkpointer:
         """The checkpointer of worker ``index`` of ``peers`` for ``config``. The parts of this run
         are committed only with each other: a run is named by ``job_id`` (what every worker of one
-        launch shares) and the attempt, so the pending parts a failed run left behind never join
-        (they are collected once a newer checkpoint covers their epoch)."""
-        return cls(Store(config.url, JOB, run=f"{job_id}/{config.attempt}"), config.every, index, peers)
+        launch shares), the number of workers and the attempt, so the pending parts a failed run
+        left behind never join (they are collected once a newer checkpoint covers their epoch).
+        The number of workers is in the name because ``job_id`` comes from the job's token, which a
+        user may fix (``--token``, ``TIMELY_TOKEN``) and reuse: a rescaled launch then found the
+        markers of the earlier launch's extra workers under its own name and never committed."""
+        return cls(Store(config.url, JOB, run=f"{job_id}/{peers}/{config.attempt}"), config.every, index, peers)
 
     # -- the job's side --------------------------------------------------------------------------
     def is_checkpoint(self, epoch: int) -> bool:
@@ -189,6 +193,14 @@ class Checkpointer:
                 f"checkpoint participant '{name}' registered on worker {self.index} after every earlier participant "
                 "had closed, which declared the worker's state final; checkpoints cover the dataflows built "
                 "before the first one's inputs end")
+        if self._handed > self.resume_epoch:
+            # Its offers would start at the first checkpoint epoch past the resume epoch, which the
+            # worker has already handed (and worker 0 may have committed) without it: its state
+            # would be missing from every checkpoint, silently.
+            raise CheckpointError(
+                f"checkpoint participant '{name}' registered on worker {self.index} after the worker had handed "
+                f"checkpoint epoch {self._handed} without it; build every dataflow that checkpoints before the "
+                "first checkpoint epoch passes (before stepping the ones built earlier that far)")
         m = self.manifest
         if m is not None:
             known = set().union(*(set(v) - {_OWN} for v in m.meta.values() if isinstance(v, dict)))
@@ -214,6 +226,24 @@ class Checkpointer:
                                   f"has shape {self._digests[-1]}, the checkpoint's {recorded[position]}; "
                                   f"use another checkpoint directory")
 
+    def _check_registered(self) -> None:
+        """Once this worker's participants are final (it handed an epoch, after which none may
+        register, or the job ends): refuse a checkpoint with participants this job does not
+        register, another job's (``register`` refuses names the checkpoint lacks; this, the
+        names the job lacks)."""
+        if self._registered_checked:
+            return
+        self._registered_checked = True
+        m = self.manifest
+        if m is None:
+            return
+        known = set().union(*(set(v) - {_OWN} for v in m.meta.values() if isinstance(v, dict)))
+        missing = sorted(known - set(self._participants))
+        if missing:
+            raise CheckpointError(f"checkpoint {m.path} belongs to another job: it has participants {missing}, which "
+                                  f"this job does not register (it registers {sorted(self._participants)}); use another "
+                                  "checkpoint directory")
+
     def stats(self) -> dict[str, float]:
         """Counters: ``parts`` written and their ``bytes``, ``write_s`` / ``write_max_s`` (time spent
         writing, on the background thread) and ``write_cpu_s`` (its CPU), ``offer_block_s`` /
@@ -227,6 +257,8 @@ class Checkpointer:
         at most every :data:`POLL` seconds. Never blocks."""
         if self._error is not None:
             raise self._error
+        if not self._registered_checked and self._handed > self.resume_epoch:
+            self._check_registered()  # (before worker 0 schedules the first commit)
         # (worker 0 final: the others' epochs still commit, though its own no longer move)
         if self.index != 0 or self._commit_busy or self._handed <= self._committed and not self._final:
             return
@@ -245,6 +277,7 @@ class Checkpointer:
     def flush(self) -> None:
         """When the job ends: write the parts offered so far, wait for them (worker 0: and, up to
         :data:`FINAL_COMMIT_WAIT` seconds, for their commit); raise a background error."""
+        self._check_registered()
         self._advance(final=True)
         self._queue.put(functools.partial(self.store.write_reached, self.index, self._handed, True))
         self._queue.join()
