@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -553,3 +554,186 @@ def test_hostfile_ipv6_lines_need_brackets_and_ports_must_fit():
     with pytest.raises(HostfileError, match=r"hosts:1: its 2 worker\(s\) would listen on ports 65535 to 65536"):
         parse_hostfile("node1:65535\n", source="hosts", workers=2)
     assert parse_hostfile("node1:65535\n") == [("node1", 65535)]
+
+
+def _fake_peer_case(endpoints, send) -> str:
+    """A real worker 0 (a child process) against this process playing a *greeted* worker 1 with
+    pyzmq: ``send(dealer, header)`` sends one message after a good one; worker 0's error, or "ok"."""
+    import struct
+
+    import zmq
+
+    from timely.comm.framing import VERSION, Kind, encode, pack_header
+
+    def entry(index, report):
+        alloc = None
+        try:  # (the bad message may arrive while the constructor ends its handshake)
+            alloc = ZmqAllocator(0, 2, endpoints[:2], "job", startup_timeout=10)
+            _, puller = alloc.allocate(0)
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                alloc.receive()
+                alloc.events()
+                puller.drain()
+                alloc.release()
+                alloc.await_events(0.05)
+            report("ok")
+        except TimelyError as exc:
+            report(f"{type(exc).__name__}: {exc}")
+        finally:
+            if alloc is not None:
+                alloc.close(abort="done")
+
+    import threading
+    results: list = []
+    runner = threading.Thread(target=lambda: results.append(supervise(entry, [0], collect=1, timeout=20)))
+    runner.start()
+    ctx = zmq.Context()
+    try:
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(endpoints[1])
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(endpoints[0])
+        dealer.send_multipart([pack_header(Kind.HELLO, 1), encode(
+            {"token": "job", "index": 1, "peers": 2, "version": VERSION, "max_message_bytes": 8 << 20})])
+        rid, _, _ = router.recv_multipart()  # worker 0's HELLO
+        router.send_multipart([rid, pack_header(Kind.WELCOME, 1), encode(None)])
+        dealer.recv_multipart()  # its WELCOME: we are greeted
+        dealer.send_multipart([struct.pack("<BBHIQ", VERSION, Kind.DATA, 1, 0, 0), encode("good")])
+        send(dealer, lambda version=VERSION, kind=Kind.DATA: struct.pack("<BBHIQ", version, kind, 1, 0, 1))
+        runner.join(30)
+    finally:
+        ctx.destroy(0)
+    (outcome,) = results[0]
+    assert outcome.status == "ok", outcome.describe()
+    return outcome.result
+
+
+@pytest.mark.parametrize("case,expected", [
+    (lambda d, h: d.send_multipart([h(), b"\xc1"]), "worker 1 sent an undecodable payload (FormatError"),
+    (lambda d, h: d.send_multipart([h(), framing.encode("abc")[:-1]]), "worker 1 sent an undecodable payload"),
+    (lambda d, h: d.send(h()), "worker 1 sent a message without its header and payload frames"),
+    (lambda d, h: d.send_multipart([h(), framing.encode("x"), b"extra"]), "a DATA message of more than two frames"),
+    (lambda d, h: d.send_multipart([h(version=9), framing.encode("x")]), "protocol version 9"),
+    (lambda d, h: d.send_multipart([h(kind=200), b""]), "a message of kind 200"),
+    (lambda d, h: d.send_multipart([h(kind=framing.Kind.ABORT), b"\xc1"]), "worker 1 failed: (an undecodable"),
+], ids=["garbage", "truncated", "one-frame", "three-frames", "version", "unknown-kind", "abort-garbage"])
+def test_a_malformed_message_from_a_greeted_peer_fails_the_worker_naming_the_peer(no_leftovers, endpoints, case,
+                                                                                    expected):
+    """Frames no worker of this build sends, from a peer that passed the handshake (corruption,
+    another build): a TimelyError naming that peer, not a raw msgpack or zmq exception, nor a
+    message accepted or ignored (a third frame was read as the next message's routing id, a
+    header alone took the next message's first frame for its payload)."""
+    result = _fake_peer_case(endpoints, case)
+    assert expected in result and ("FramingError" in result or "PeerLost" in result), result
+
+
+def test_workers_meet_over_ipv6_from_a_hostfile(no_leftovers):
+    """A hostfile's ``[addr]:port`` lines are IPv6 endpoints; the sockets need ZMQ_IPV6 for them
+    (without it every worker failed to bind, ENODEV)."""
+    try:
+        probe = socket.socket(socket.AF_INET6)
+        probe.bind(("::1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    eps = hostfile_endpoints(parse_hostfile(f"[::1]:{port}\n", workers=2), 2)
+    assert all(e.startswith("tcp://[::1]:") for e in eps)
+
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 2, eps, "job", startup_timeout=10)
+        try:
+            report(_greet_all(alloc))
+        finally:
+            alloc.close()
+
+    results = _results(_run(entry, 2))
+    assert all(sorted(r) == [0, 1] for r in results)
+
+
+def _resetting_proxy(listen_port: int, target_port: int, cut: threading.Event) -> None:
+    """Forward 127.0.0.1:listen_port to target_port; on ``cut``, reset the connections open then
+    (RST on both legs: a NAT or firewall flush), and keep forwarding new ones."""
+    import struct
+
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind(("127.0.0.1", listen_port))
+    ls.listen(8)
+    ls.settimeout(0.1)
+    conns: list = []
+
+    def pump(a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if cut.is_set():
+            for sock in [s for pair in conns for s in pair]:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()
+            conns.clear()
+            cut.clear()
+        try:
+            client, _ = ls.accept()
+        except OSError:
+            continue
+        for _ in range(100):  # the target may not listen yet
+            try:
+                upstream = socket.create_connection(("127.0.0.1", target_port))
+                break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            client.close()
+            continue
+        conns.append((client, upstream))
+        threading.Thread(target=pump, args=(client, upstream), daemon=True).start()
+        threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
+    ls.close()
+
+
+def test_a_link_reset_and_reconnected_by_zeromq_fails_the_job_naming_the_peer(no_leftovers):
+    """ZeroMQ reconnects a dropped connection by itself, and the listener's ROUTER takes the new one
+    for a stranger's (it refuses all it carries): the messages in flight and after were lost while
+    both workers ran on and ended without an error. The sender now fails, naming the peer."""
+    p0, p1, px = free_loopback_ports(3)
+    endpoints = [f"tcp://127.0.0.1:{p0}", f"tcp://127.0.0.1:{px}"]  # worker 1 is reached through the proxy
+    binds = [endpoints[0], f"tcp://127.0.0.1:{p1}"]
+    cut = threading.Event()
+    threading.Thread(target=_resetting_proxy, args=(px, p1, cut), daemon=True).start()
+
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 2, endpoints, "job", bind=binds[index], startup_timeout=10)
+        try:
+            pushers, puller = alloc.allocate(0)
+            sent = 0
+            deadline = time.monotonic() + 6
+            while time.monotonic() < deadline:
+                pushers[1 - index].push(sent)
+                sent += 1
+                alloc.release()
+                alloc.receive()
+                alloc.events()
+                puller.drain()
+                alloc.await_events(0.02)
+            report("no error")
+        except TimelyError as exc:
+            report(f"{type(exc).__name__}: {exc}")
+        finally:
+            alloc.close()
+
+    def cut_soon():
+        time.sleep(2.0)  # both workers are exchanging messages by then
+        cut.set()
+
+    threading.Thread(target=cut_soon, daemon=True).start()
+    outcomes = supervise(entry, [0, 1], collect=2, timeout=30)
+    results = [o.result for o in outcomes]
+    assert outcomes[0].status == "ok", outcomes[0].describe()
+    assert "PeerLost" in results[0] and "connection to worker 1" in results[0] and "reset" in results[0], results

@@ -21,7 +21,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .errors import ChannelMismatch, CommError, FramingError, HandshakeError, PeerLost
-from .framing import HEADER, Kind, decode, encode, pack_header, recv_buffer_frames, unbundle, unpack_header
+from .framing import HEADER, VERSION, Kind, decode, encode, pack_header, recv_buffer_frames, unbundle, unpack_header
 from .gate import Refusals, hello_rejection, read_hello
 from .mailbox import Mailbox
 from .peer import HANDSHAKE_FAILED, NOBLOCK, Peer, Tuning, bind_router, connect_peer
@@ -269,6 +269,11 @@ class Links:
         unpack = HEADER.unpack
         budget = self._tuning.receive_bytes
         limit = self._unread_limit
+        router = self._router
+
+        def more() -> bool:
+            return bool(router.get(zmq.RCVMORE))
+
         for _ in range(self._tuning.receive_batch):
             # Backpressure: what stays in ZeroMQ fills its queues, and then the sender's backlog.
             if budget <= 0 or mailbox.unread_bytes >= limit:
@@ -281,16 +286,21 @@ class Links:
             if peer is None:
                 self._on_stranger(rid)
                 continue
-            # Invariant: a routing id is bound to one of our DEALERs at its HELLO, and our DEALERs
-            # send exactly two frames (header, payload) but for DATA_BUFFERS, whose further frames
-            # its branch reads: no RCVMORE check is needed on the DATA path.
-            head = recv(NOBLOCK)
-            payload = recv(NOBLOCK)
+            # A routing id is bound to one of our DEALERs at its HELLO, and our DEALERs send two
+            # frames (header, payload) but for DATA_BUFFERS, whose further frames its branch reads.
+            # A greeted peer that sends otherwise (corruption, another build) is failed, naming it:
+            # reading on would take the next message's frames for this one's.
+            head = recv(NOBLOCK) if more() else b""
+            payload = recv(NOBLOCK) if more() else None
+            if len(head) != HEADER.size or payload is None:
+                self._malformed(peer, "a message without its header and payload frames")
             budget -= len(payload)
-            if len(head) != HEADER.size:
-                self.fail(CommError(f"worker {self.index}: corrupt header from worker {peer.index}"))
             version, kind, _source, channel, seq = unpack(head)
+            if version != VERSION:
+                self._malformed(peer, f"protocol version {version}, expected {VERSION}")
             if kind == _DATA or kind == _BUNDLE:
+                if more():
+                    self._malformed(peer, "a DATA message of more than two frames")
                 if seq != peer.recv_seq:
                     self._out_of_order(peer, seq)
                 peer.recv_seq = seq + 1
@@ -302,6 +312,8 @@ class Links:
                     self.fail(exc)
                 except FramingError as exc:
                     self.fail(FramingError(f"worker {self.index}: from worker {peer.index}: {exc}"))
+                except Exception as exc:  # msgpack's errors of a corrupt payload
+                    self._malformed(peer, f"an undecodable payload ({type(exc).__name__}: {exc})")
                 if peer.dropped:
                     self._still_sending(peer)
             elif kind == _DATA_BUFFERS:
@@ -313,8 +325,19 @@ class Links:
                 # It waits for this before closing its sockets: it has delivered everything to us.
                 self._router_send(rid, Kind.ACK, encode(None))
             elif kind == _ABORT:
-                self.fail(PeerLost(peer.index, f"worker {self.index}: worker {peer.index} failed: "
-                                               f"{decode(payload)}"))
+                try:
+                    reason = decode(payload)
+                except Exception as exc:
+                    reason = f"(an undecodable reason: {type(exc).__name__})"
+                self.fail(PeerLost(peer.index, f"worker {self.index}: worker {peer.index} failed: {reason}"))
+            else:
+                self._malformed(peer, f"a message of kind {kind}, which a running worker does not send")
+
+    def _malformed(self, peer: Peer, what: str) -> NoReturn:
+        """A greeted peer sent what no worker of this build sends: fail, naming it."""
+        while self._router.get(zmq.RCVMORE):  # (the rest of its frames: nothing else is read anyway)
+            self._router.recv(NOBLOCK)
+        self.fail(FramingError(f"worker {self.index}: worker {peer.index} sent {what}"))
 
     def _deliver_buffers(self, peer: Peer, channel: int, seq: int, payload: bytes) -> int:
         """Read the buffer frames of a ``DATA_BUFFERS`` message whose header and ``payload`` (its
@@ -327,6 +350,8 @@ class Links:
             self._mailbox.deliver(peer.index, channel, (decode(payload), buffers), size + len(payload))
         except ChannelMismatch as exc:
             self.fail(exc)
+        except Exception as exc:  # a corrupt head
+            self._malformed(peer, f"an undecodable payload ({type(exc).__name__}: {exc})")
         if peer.dropped:
             self._still_sending(peer)
         return size
@@ -347,6 +372,15 @@ class Links:
                 return
             if event["event"] & HANDSHAKE_FAILED and not peer.welcomed:
                 raise HandshakeError(self._security_failure(peer, str(zmq.Event(event["event"]).name)))
+            if event["event"] == zmq.EVENT_CONNECTED:
+                peer.connections += 1
+                if peer.connections > 1 and not peer.goodbye:
+                    # ZeroMQ reconnected a dropped link by itself; the peer's ROUTER takes the new
+                    # connection for a stranger's and refuses what it carries, and what was in
+                    # flight when the link dropped is gone: delivery is no longer complete.
+                    self.fail(PeerLost(peer.index, (
+                        f"worker {self.index}: the connection to worker {peer.index} ({peer.endpoint}) was "
+                        "reset and reconnected; messages in flight were lost (the network failed)")))
             if event["event"] == zmq.EVENT_DISCONNECTED and not peer.goodbye and not peer.dropped:
                 # Its GOODBYE travels on the other connection of the pair: give it a moment.
                 peer.lost_deadline = time.monotonic() + self._tuning.goodbye_grace

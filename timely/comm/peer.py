@@ -37,7 +37,10 @@ SNDMORE = int(zmq.SNDMORE)
 #: liveness probes gave up on), or a failed ZMTP / CURVE handshake.
 HANDSHAKE_FAILED = int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                        | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-MONITORED = int(zmq.EVENT_DISCONNECTED) | HANDSHAKE_FAILED
+#: EVENT_CONNECTED: a second connection of a DEALER is ZeroMQ's reconnect after a reset link,
+#: which the listener's ROUTER sees as a stranger (it refuses all it sends): what was in flight
+#: is lost, so the worker fails (``Links._on_monitor``).
+MONITORED = int(zmq.EVENT_DISCONNECTED) | int(zmq.EVENT_CONNECTED) | HANDSHAKE_FAILED
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,9 @@ class Tuning:
         """
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
+        # IPv6 addresses (a hostfile's [addr]:port lines) are refused without it (ENODEV); IPv4
+        # ones work as before.
+        sock.setsockopt(zmq.IPV6, 1)
         # A peer that sends a larger frame is disconnected before it is buffered. Ours never do:
         # a payload over max_message_bytes is refused at push (MessageTooLarge).
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + HEADER.size)
@@ -96,7 +102,7 @@ class Peer:
 
     __slots__ = ("me", "index", "endpoint", "dealer", "monitor", "max_message_bytes", "on_backlog", "backlog",
                  "backlog_bytes", "send_seq", "recv_seq", "rid", "hello", "welcomed", "goodbye", "acked",
-                 "lost_deadline", "corked", "corked_bytes")
+                 "lost_deadline", "corked", "corked_bytes", "connections")
 
     def __init__(self, me: int, index: int, endpoint: str, dealer: zmq.Socket, monitor: zmq.Socket,
                  max_message_bytes: int) -> None:
@@ -118,6 +124,7 @@ class Peer:
         self.rid: bytes | None = None  # routing id of its inbound connection on our ROUTER
         self.hello = False         # it greeted our ROUTER
         self.welcomed = False      # its ROUTER accepted our DEALER
+        self.connections = 0       # connections our DEALER made to it (more than one: a reconnect)
         self.goodbye = False       # it closed cleanly: it sends and needs nothing more
         self.acked = False         # it read our GOODBYE (and so all our data)
         # When its connection dropped, the time it is declared lost unless it says GOODBYE first;
