@@ -737,3 +737,43 @@ def test_a_link_reset_and_reconnected_by_zeromq_fails_the_job_naming_the_peer(no
     results = [o.result for o in outcomes]
     assert outcomes[0].status == "ok", outcomes[0].describe()
     assert "PeerLost" in results[0] and "connection to worker 1" in results[0] and "reset" in results[0], results
+
+
+def _one_large_step_to_a_slow_peer(worker):
+    """Worker 0 sends about 10 MB to worker 1 in one step while worker 1 reads nothing for 2 s;
+    returns the backlog's peak (recorded by the test's Peer._queue) and its bound."""
+    from timely.comm.peer import Peer
+
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        inp.stream.exchange(lambda x: 1).probe()  # everything to worker 1
+    if worker.index == 1:
+        time.sleep(2)  # a slow consumer
+        inp.close()
+        return None
+    inp.send_batch([("x" * 90, i) for i in range(100_000)])
+    inp.advance_to(1)
+    worker.step()  # the whole batch is flushed in this step
+    inp.close()
+    return Peer.peak
+
+
+def test_the_backlog_bound_holds_within_one_step(no_leftovers, monkeypatch):
+    """README: at most ``backlog_bytes`` plus one message waits in a worker's backlog for a peer,
+    whatever the size of the batches. Only the step's release waited for room, so a step that
+    flushed a large batch queued all of it first (19 MB against a 1 MiB bound)."""
+    from timely.cluster import execute_cluster
+    from timely.comm.peer import Peer
+
+    queue = Peer._queue
+    monkeypatch.setattr(Peer, "peak", 0, raising=False)
+
+    def recording(self, *args):
+        queue(self, *args)
+        Peer.peak = max(Peer.peak, self.backlog_bytes)
+
+    monkeypatch.setattr(Peer, "_queue", recording)
+    bound, message = 1 << 20, 64 << 10
+    peak, _ = execute_cluster(_one_large_step_to_a_slow_peer, 2, timeout=60, backlog_bytes=bound,
+                              max_message_bytes=message, hwm=4)
+    assert 0 < peak <= bound + message, peak

@@ -175,6 +175,8 @@ class Links:
         self._monitors[peer.monitor] = peer
         self._dealers[peer.dealer] = peer
         peer.on_backlog = self._watch
+        peer.backlog_bound = self._tuning.backlog_bytes
+        peer.on_over_bound = self._wait_for_room
         self._poller.register(peer.monitor, zmq.POLLIN)
         self._poller.register(peer.dealer, zmq.POLLIN)  # POLLOUT is added while it has a backlog
 
@@ -419,6 +421,12 @@ class Links:
     def _unwatch(self, peer: Peer) -> None:
         self._backlogged.discard(peer)
         self._poller.register(peer.dealer, zmq.POLLIN)
+
+    def _wait_for_room(self, peer: Peer) -> None:
+        """``peer``'s backlog passed its bound while a message was queued (within a step): wait
+        for room, receiving meanwhile, as :meth:`release` does (and until the mailbox is full)."""
+        self._watch(peer)
+        self._wait_until(lambda: not self._over_bound() or self._mailbox_full(), None)
 
     def _over_bound(self) -> bool:
         bound = self._tuning.backlog_bytes

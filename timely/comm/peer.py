@@ -102,7 +102,7 @@ class Peer:
 
     __slots__ = ("me", "index", "endpoint", "dealer", "monitor", "max_message_bytes", "on_backlog", "backlog",
                  "backlog_bytes", "send_seq", "recv_seq", "rid", "hello", "welcomed", "goodbye", "acked",
-                 "lost_deadline", "corked", "corked_bytes", "connections")
+                 "lost_deadline", "corked", "corked_bytes", "connections", "backlog_bound", "on_over_bound")
 
     def __init__(self, me: int, index: int, endpoint: str, dealer: zmq.Socket, monitor: zmq.Socket,
                  max_message_bytes: int) -> None:
@@ -125,6 +125,8 @@ class Peer:
         self.hello = False         # it greeted our ROUTER
         self.welcomed = False      # its ROUTER accepted our DEALER
         self.connections = 0       # connections our DEALER made to it (more than one: a reconnect)
+        self.backlog_bound: float = math.inf  # backlog bytes past which a queued message waits (Links)
+        self.on_over_bound: Callable[[Peer], None] = lambda peer: None
         self.goodbye = False       # it closed cleanly: it sends and needs nothing more
         self.acked = False         # it read our GOODBYE (and so all our data)
         # When its connection dropped, the time it is declared lost unless it says GOODBYE first;
@@ -301,6 +303,10 @@ class Peer:
     def _queue(self, head: bytes, payload: bytes, buffers: tuple, size: int) -> None:
         self.backlog.append((head, payload, buffers, size))
         self.backlog_bytes += size
+        if self.backlog_bytes > self.backlog_bound:
+            # Over its bound within one step (a flush of a large batch): wait for room now, not at
+            # the step's release, so at most the bound plus one message waits here.
+            self.on_over_bound(self)
 
     def _send_rest(self, payload: bytes, buffers: tuple) -> None:
         """The frames after an accepted header frame: they cannot fail with EAGAIN (ZeroMQ
