@@ -777,3 +777,18 @@ def test_the_backlog_bound_holds_within_one_step(no_leftovers, monkeypatch):
     peak, _ = execute_cluster(_one_large_step_to_a_slow_peer, 2, timeout=60, backlog_bytes=bound,
                               max_message_bytes=message, hwm=4)
     assert 0 < peak <= bound + message, peak
+
+
+def test_a_closed_worker_leaves_no_ipc_socket_file(no_leftovers, endpoints):
+    """libzmq leaves an ipc ROUTER's socket file behind; a closed worker removes its own."""
+
+    def entry(index, report):
+        alloc = ZmqAllocator(index, 2, endpoints[:2], "job")
+        try:
+            report(_greet_all(alloc))
+        finally:
+            alloc.close()
+
+    _results(_run(entry, 2))
+    left = [e for e in endpoints[:2] if os.path.exists(e[len("ipc://"):])]
+    assert not left, left

@@ -11,6 +11,7 @@ CURVE client (:mod:`timely.comm.secret`).
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -75,6 +76,7 @@ class Links:
             if secret is not None:
                 self._guard = secret.guard(self._ctx)  # before the ROUTER binds
             self._router = bind_router(self._ctx, tuning, secret, index, bind)
+            self._bind = bind
         except BaseException:
             self._end_context()
             raise
@@ -509,6 +511,12 @@ class Links:
         self._router.close(500)  # WELCOME / REJECT / ACK replies travel here
         self.refusals.flush()
         self._end_context()
+        if self._bind.startswith("ipc://"):
+            # libzmq leaves the socket file of an ipc ROUTER behind; nothing listens on it now.
+            try:
+                os.unlink(self._bind[len("ipc://"):])
+            except OSError:
+                pass
 
     def _end_context(self) -> None:
         """Terminate the context once our sockets are closed; its ZAP handler (a socket of the
