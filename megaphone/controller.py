@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time as _time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -51,6 +51,15 @@ MAX_EVENTS = 10_000
 #: all (a step keeps its ``{bin: worker}`` moves, some 70 bytes each: at 2^16 bins a log of
 #: whole-table migrations would otherwise hold gigabytes), with the same exceptions.
 MAX_MOVES = 1_000_000
+
+
+def _steps(steps: Any) -> list:
+    """:meth:`Controller.start`'s ``steps`` as a list, once checked that they are a sequence (of
+    steps), not one step's mapping or a string; raises :class:`TableError`."""
+    if isinstance(steps, (Mapping, str, bytes)) or not isinstance(steps, Iterable):
+        raise TableError(f"steps must be a sequence of steps ({{bin: worker}} mappings or lists of (bin, worker) "
+                         f"pairs), not {type(steps).__name__} {steps!r:.60}")
+    return list(steps)
 
 
 class Control(Protocol):
@@ -197,28 +206,20 @@ class Controller:
             self.balancer = attach(self, worker)
 
     # -- queuing ------------------------------------------------------------------------------
-    def start(self, steps: Sequence[Mapping[int, int]], precopy: bool = False) -> int:
-        """Queue ``steps`` (``{bin: worker}`` dicts) as one migration; return its id. ``precopy``:
-        copy each step's bins ahead, then hand them over (needs ``copied``; bins that are small or
-        not dicts of rows move whole: :mod:`megaphone.precopy`).
+    def start(self, steps: Sequence[Mapping[int, int] | Iterable[tuple[int, int]]], precopy: bool = False) -> int:
+        """Queue ``steps`` (a sequence of ``{bin: worker}`` mappings, or of lists of ``(bin, worker)``
+        pairs) as one migration; return its id. ``precopy``: copy each step's bins ahead, then hand
+        them over (needs ``copied``; bins that are small or not dicts of rows move whole:
+        :mod:`megaphone.precopy`).
 
-        Every move is validated first (bin and worker exist); on error (a
-        :class:`~megaphone.table.TableError`) nothing is queued. Empty steps are dropped.
+        Every step and move is validated first (a mapping or list of pairs, bin and worker exist, a
+        bin moved to one worker per step); on error (a :class:`~megaphone.table.TableError` naming
+        the step) nothing is queued. Empty steps are dropped.
         """
         if precopy and self.copied is None:
             raise ValueError("a pre-copied migration needs the controller's copied probe "
                              "(Controller(..., copied=migratable.copied))")
-        checked: list[Step] = []
-        for i, step in enumerate(steps):
-            moves = {}
-            for b, w in dict(step).items():
-                try:
-                    b, w = validate_move(b, w, self.nbins, self.peers)  # numpy integers become ints
-                except TableError as e:
-                    raise TableError(f"step {i}: {e}") from None
-                moves[b] = w
-            if moves:
-                checked.append(moves)
+        checked = [moves for i, step in enumerate(_steps(steps)) if (moves := self._checked_step(i, step))]
         mid = self._migrations
         self._migrations += 1
         if not self.events:
@@ -231,6 +232,31 @@ class Controller:
             self._planned_table = apply(self._planned_table, move_updates(moves))
         self._trim()
         return mid
+
+    def _checked_step(self, i: int, step: Any) -> Step:
+        """Step ``i`` of :meth:`start` as ``{bin: worker}`` of ints, once checked; raises :class:`TableError`."""
+        if isinstance(step, Mapping):
+            pairs: Any = step.items()
+        elif isinstance(step, (str, bytes)) or not isinstance(step, Iterable):
+            raise TableError(f"step {i}: expected a {{bin: worker}} mapping or a list of (bin, worker) pairs, "
+                             f"not {type(step).__name__} {step!r:.60}")
+        else:
+            pairs = step
+        moves: Step = {}
+        for pair in pairs:
+            sequence = isinstance(pair, Sequence) or getattr(pair, "ndim", None) == 1  # (a numpy row too)
+            if isinstance(pair, (str, bytes)) or not sequence or len(pair) != 2:
+                raise TableError(f"step {i}: move {pair!r:.60} is not a (bin, worker) pair")
+            try:
+                b, w = validate_move(pair[0], pair[1], self.nbins, self.peers)  # numpy integers become ints
+            except TableError as e:
+                raise TableError(f"step {i}: {e}") from None
+            # One worker per bin and step (as ControlInput.moves and the control endpoint ask): of
+            # two, neither is "the" move. The same move twice is harmless.
+            if moves.get(b, w) != w:
+                raise TableError(f"step {i}: bin {b} is moved to both worker {moves[b]} and worker {w}")
+            moves[b] = w
+        return moves
 
     def rebalance(self, target: Sequence[int], strategy: str = "batched", precopy: bool = False) -> int:
         """Plan a migration from the planned table (after queued steps) to ``target``; queue it

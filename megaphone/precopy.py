@@ -58,7 +58,7 @@ import pickle
 import time as _time
 from collections.abc import Callable
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from timely.routing import gather
 
@@ -227,8 +227,23 @@ class TrackedState(BinState):
         dict.update(self, other)
         return self
 
-    def __reduce__(self) -> Any:  # pickled (a checkpoint) as the plain state it is
-        return (BinState, (dict.copy(self),))
+    def __copy__(self) -> BinState:  # copy.copy: the fold may change the values the copy shares
+        _reach_all(self)
+        return BinState(self)
+
+    def __reduce__(self) -> Any:
+        # Pickled (a checkpoint's BinDump, on its writer thread) as the plain state it is, without
+        # reaching anything: not dict.copy(self), whose merge calls self.keys() (a dict subclass
+        # overriding __iter__), which voided the copy and switched the class from that thread.
+        # A view's items are read from the dict itself. (copy.deepcopy comes here too: its copy
+        # shares no value with the bin, so it reaches nothing either.)
+        return (BinState, (dict(dict.items(self)),))
+
+    @classmethod
+    def fromkeys(cls, iterable: Any, value: Any = None) -> BinState:
+        """``dict.fromkeys``: a new plain :class:`BinState` (a new state is not tracked: made as a
+        :class:`TrackedState`, it had no reached set)."""
+        return cast(BinState, BinState.fromkeys(iterable, value))
 
 
 class Copy:
@@ -392,6 +407,7 @@ class PreCopier:
 
     def _begin(self, b: int, target: int, cap: Capability, state: BinState, replica: bool) -> None:
         self.shared.thaw(b)  # a checkpoint's dump of the bin first (megaphone.checkpoint.BinDump)
+        _overflow.discard(id(state))  # a mark left from an earlier copy (or an object with its id) is stale
         copy = self.copies[b] = Copy(b, target, cap, state, replica)  # the snapshot, while the state is a plain BinState
         self.active.add(b)
         self.replicas += replica
@@ -450,7 +466,7 @@ class PreCopier:
         copy = self.copies.get(b)
         if copy is None or not copy.replica or not copy.done or copy.refreshing or not self.delivered(copy.gen):
             return True
-        if id(copy.state) in _overflow:  # the tracking is void: a new copy, which replaces the staged one
+        if id(copy.state) in _overflow:  # the tracking is void: a new copy (the staged one is dropped)
             self._end(copy)
             out.give_batch(round_, [self._drop_record(copy)])
             self.shared.log({"kind": "replica", "time": round_.time, "bins": [b], "to": [copy.target],
@@ -640,11 +656,15 @@ class PreCopier:
 
 
 class Staging:
-    """S's side on one worker: copies received ahead, per bin, until their hand-over."""
+    """S's side on one worker: copies received ahead, per bin and copy, until their hand-over."""
 
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
-        self.staged: dict[int, tuple[Any, BinState]] = {}  # bin -> (copy's t0 and source, state so far)
+        # bin -> {copy identity (its t0 and source worker): state so far}. A bin has more than one
+        # copy here only briefly: its old owner's, not ended yet, beside its new owner's. They are
+        # kept apart, not ordered by t0: a replica copied again at a refresh round's data time may
+        # have a later t0 than the new owner's copy requested at a control time after the bin left.
+        self.staged: dict[int, dict[tuple[Any, int], BinState]] = {}
         # Per (bin, copy): the chunks received so far, of copies not ended or ended with chunks
         # still in flight. Per bin: the copies of several bins requested at one time from one
         # worker share their identity.
@@ -656,8 +676,9 @@ class Staging:
     def chunk(self, b: int, payload: Any, ident: tuple[Any, int], deleted: Any = ()) -> None:
         """Stage one chunk of the copy ``ident`` (its time and source worker) of bin ``b``: entries,
         and for a replica's refresh the keys ``deleted`` since. A chunk of a copy already installed
-        or dropped is ignored (a refresh not yet staged at its hand-over may arrive after it), and
-        so is a chunk of a copy older than the one staged (the newest request wins)."""
+        or dropped is ignored (a refresh not yet staged at its hand-over may arrive after it). Every
+        copy is staged apart until its own end (a delta or a drop), whatever the order its chunks
+        and other copies' come in (timely delivers different times in any order)."""
         ident = tuple(ident)  # a list after crossing processes
         key = (b, ident)
         n = self.received[key] = self.received.get(key, 0) + 1
@@ -666,19 +687,24 @@ class Staging:
             if n >= sent:  # the last chunk in flight: nothing more of this copy can come
                 del self.ended[key], self.received[key]
             return
-        entry = self.staged.get(b)
-        if entry is None or entry[0] != ident:
-            if entry is not None and not entry[0][0] < ident[0]:
-                # A chunk of an older copy after one of the newer copy that replaced it (timely
-                # delivers different times in any order): stale, and it must not replace the
-                # newer one's chunks. Counted above, so the older copy's drop still ends it.
-                return
-            entry = self.staged[b] = (ident, BinState())
+        copies = self.staged.setdefault(b, {})
+        state = copies.get(ident)
+        if state is None:
+            state = copies[ident] = BinState()
         part, _ = self.shared.codec.unpack(payload)
-        state = entry[1]
         state.update(part)
         for k in deleted:
             state.pop(k, None)
+
+    def _unstage(self, b: int, ident: tuple[Any, int]) -> BinState | None:
+        """Remove (and return) the copy ``ident`` of bin ``b`` staged here, if any."""
+        copies = self.staged.get(b)
+        if copies is None:
+            return None
+        state = copies.pop(ident, None)
+        if not copies:
+            del self.staged[b]
+        return state
 
     def _end(self, b: int, ident: tuple[Any, int], sent: int) -> None:
         """The copy ``ident`` of bin ``b`` ended after sending ``sent`` chunks."""
@@ -692,25 +718,22 @@ class Staging:
         """The copy ``ident`` of bin ``b``, of ``sent`` chunks, will not be used (the bin moved
         whole, or a copy elsewhere replaced it)."""
         ident = tuple(ident)
-        entry = self.staged.get(b)
-        if entry is not None and entry[0] == ident:
-            del self.staged[b]
+        self._unstage(b, ident)
         self._end(b, ident, sent)
 
     def discard(self, b: int) -> None:
-        """Bin ``b`` arrived whole: any copy staged for it is stale."""
+        """Bin ``b`` arrived whole: every copy staged for it is stale (their ends still come)."""
         self.staged.pop(b, None)
 
     def install(self, b: int, payload: bytes, ident: tuple[Any, int], sent: int) -> tuple[BinState, list, int]:
         """The state of bin ``b``: its staged copy (of ``sent`` chunks) with the delta ``payload``
         applied; its timers; the entries the delta carried."""
         ident = tuple(ident)
-        entry = self.staged.pop(b, None)
-        if entry is None or entry[0] != ident:
+        state = self._unstage(b, ident)
+        if state is None:
             raise MegaphoneError(f"'{self.shared.name}': worker {self.shared.index} got the hand-over of bin {b} "
                                  f"without its copy ahead {ident!r}")
         self._end(b, ident, sent)  # a refresh still in flight must not reach the installed bin
-        state = entry[1]
         updates, deleted, timers = pickle.loads(payload)
         state.update(updates)
         for k in deleted:

@@ -96,6 +96,34 @@ def test_rebalance_plans_from_the_planned_table_and_validates():
 
 
 @pytest.mark.timeout(30)
+def test_start_checks_the_shape_of_its_steps_and_queues_nothing_on_error():
+    """``start`` takes a sequence of ``{bin: worker}`` mappings or lists of ``(bin, worker)``
+    pairs; anything else, or a bin moved to two workers in one step (which the control input and
+    the endpoint refuse), is a :class:`TableError` naming the step, and nothing is queued."""
+    control, probe = FakeControl(k=3, peers=3), FakeProbe()
+    ctl = Controller(control, probe)
+    for bad, msg in [({0: 1}, "steps must be a sequence of steps .* not dict"),
+                     ("ab", "steps must be a sequence .* not str 'ab'"),
+                     (5, "steps must be a sequence .* not int 5"),
+                     ([{0: 1}, 5], r"step 1: expected a \{bin: worker\} mapping or a list of \(bin, worker\) pairs, not int 5"),
+                     ([{0: 1}, "01"], "step 1: expected .* not str '01'"),
+                     ([[(3, 1), (3, 2)]], "step 0: bin 3 is moved to both worker 1 and worker 2"),
+                     ([{0: 1}, [(3, 1), (3, np.int64(2))]], "step 1: bin 3 is moved to both worker 1 and worker 2"),
+                     ([[(3, 1, 0)]], r"step 0: move \(3, 1, 0\) is not a \(bin, worker\) pair"),
+                     ([[3]], "step 0: move 3 is not a .bin, worker. pair"),
+                     ([["ab"]], "step 0: move 'ab' is not a .bin, worker. pair"),
+                     ([[(9, 1)]], "step 0: move of bin 9 to worker 1: bin 9 does not exist")]:
+        with pytest.raises(TableError, match=msg):
+            ctl.start(bad)
+        assert not ctl.busy and list(ctl.events) == [] and ctl.migrations == 0  # nothing queued
+    assert ctl.planned_table == ctl.current_table
+    # Pairs (also a numpy array of them, or the same move twice) and mappings, mixed:
+    mid = ctl.start([[(3, 1), (3, 1)], {4: 2}, np.array([[0, 2], [1, 0]]), []])
+    assert mid == 0 and [e.moves for e in ctl.events] == [{3: 1}, {4: 2}, {0: 2, 1: 0}]
+    assert all(type(b) is int and type(w) is int for e in ctl.events for b, w in e.moves.items())
+
+
+@pytest.mark.timeout(30)
 def test_no_step_is_issued_on_a_closed_control_input():
     control, probe = FakeControl(), FakeProbe()
     ctl = Controller(control, probe)

@@ -67,6 +67,107 @@ def test_tracked_state_records_reached_keys_and_voids_on_iteration():
     del _reached[id(s)]
 
 
+def test_a_checkpoints_pickle_of_a_tracked_bin_reaches_nothing():
+    """Pickling a bin copied ahead (a checkpoint's ``BinDump``, on its writer thread) neither voids
+    its copy nor switches its class (a regression: ``dict.copy`` of a dict subclass that overrides
+    ``__iter__`` calls ``keys()``); ``copy.copy``, whose copy shares the values, still voids it."""
+    import copy as copy_module
+
+    s = BinState({i: [i] for i in range(10)})
+    _reached[id(s)] = {3}
+    s.__class__ = TrackedState
+    try:
+        blob = pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL)
+        assert id(s) not in _overflow and type(s) is TrackedState and _reached[id(s)] == {3}
+        back = pickle.loads(blob)
+        assert type(back) is BinState and back == {i: [i] for i in range(10)}
+        deep = copy_module.deepcopy(s)  # shares no value: reaches nothing either
+        assert deep == back and deep[1] is not dict.__getitem__(s, 1)
+        assert id(s) not in _overflow and type(s) is TrackedState
+        shallow = copy_module.copy(s)  # its values are the bin's: changed through it, unseen
+        assert shallow == back and id(s) in _overflow and type(s) is BinState
+    finally:
+        _overflow.discard(id(s))
+        _reached.pop(id(s), None)
+
+
+def test_fromkeys_of_a_tracked_state_makes_a_plain_state():
+    """``fromkeys`` on a bin copied ahead makes a new, untracked :class:`BinState` (it raised
+    ``KeyError``: a tracked state with no reached set) and reaches nothing of the bin."""
+    s = BinState({i: i for i in range(3)})
+    _reached[id(s)] = set()
+    s.__class__ = TrackedState
+    try:
+        fresh = s.fromkeys([1, 2], 0)
+        assert type(fresh) is BinState and fresh == {1: 0, 2: 0} and id(fresh) not in _reached
+        assert type(TrackedState.fromkeys("ab")) is BinState
+        assert type(s) is TrackedState and _reached[id(s)] == set() and id(s) not in _overflow
+    finally:
+        _overflow.discard(id(s))
+        _reached.pop(id(s), None)
+
+
+def test_a_checkpoint_dump_during_a_copy_keeps_the_delta_hand_over():
+    """A checkpoint's dump of a bin being copied ahead (``BinDump``, which pickles its state), then a
+    write: the hand-over still ships a delta, installed into exactly the owner's state."""
+    from test_megaphone_replicas import Cap, Edge
+
+    from megaphone.bins import Shared
+    from megaphone.checkpoint import BinDump
+    from megaphone.precopy import PreCopier, Staging
+
+    owner, holder = Shared("m", 1, 0, 2), Shared("m", 1, 1, 2)
+    state = owner.bins[0].state
+    for key in range(100):
+        state[key] = [key]
+    edge = Edge()
+    f = PreCopier(owner, chunk=10, budget=0.0, min_entries=0, share=1.0)
+    s = Staging(holder)
+    f.start(0, 1, Cap(edge, 1), edge)
+    while f.sending:
+        f.resume = 0.0
+        f.step(edge)
+    while edge.flight:
+        _, r = edge.flight.pop(0)
+        s.chunk(r[1], r[2], r[3])
+    blob = BinDump(owner, 0, state, [])()  # the writer thread's serialisation of the (dirty) bin
+    assert owner.codec.loads(blob)[0] == {key: [key] for key in range(100)}
+    state[5] = [-5]  # the fold writes one key
+    state.get(6).append(-6)  # and changes one in place
+    delta, copy, why = f.hand_over(0, owner.bins[0], 1, edge.delivered)
+    assert delta is not None and copy is not None, why
+    installed, _, n = s.install(0, delta, (copy.t0, 0), copy.sent)
+    assert installed == dict(state) and n == 2
+
+
+def test_a_new_copy_forgets_a_stale_void_mark_of_its_state():
+    """A void mark (``_overflow``) left for a state's id outside any copy (a racing reader, or an
+    earlier object with the same id) does not void the next copy of that state."""
+    from test_megaphone_replicas import Cap, Edge
+
+    from megaphone.bins import Shared
+    from megaphone.precopy import PreCopier
+
+    owner = Shared("m", 1, 0, 2)
+    state = owner.bins[0].state
+    for key in range(20):
+        state[key] = key
+    _overflow.add(id(state))  # stale
+    edge = Edge()
+    f = PreCopier(owner, chunk=10, budget=0.0, min_entries=0, share=1.0)
+    f.start(0, 1, Cap(edge, 1), edge)
+    try:
+        while f.sending:
+            f.resume = 0.0
+            f.step(edge)
+        edge.flight.clear()
+        state[3] = -3
+        delta, _, why = f.hand_over(0, owner.bins[0], 1, edge.delivered)
+        assert delta is not None, why
+    finally:
+        _overflow.discard(id(state))
+
+
 def precopy_job(worker, k: int, epochs: list, target=None, steps=None, actions=None, tunables=(0, 4, 0.0, 1.0),
                 spare: int = 0, refresh: float = 1.0, chunk: int | None = None):
     """A keyed count; worker 0 runs a pre-copied rebalance to ``target`` (or the pre-copied

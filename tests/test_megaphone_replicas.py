@@ -351,13 +351,37 @@ def test_installing_one_bins_copy_keeps_the_copies_of_others_with_the_same_ident
     assert state == {1: "a"}
     s.chunk(2, codec.pack({3: "c"}, []), ident, [2])  # a refresh of bin 2: still staged
     s.chunk(0, codec.pack({1: "z"}, []), ident)  # a late refresh of bin 0: ignored
-    assert 0 not in s.staged and s.staged[2] == (ident, {3: "c"})
+    assert 0 not in s.staged and s.staged[2] == {ident: {3: "c"}}
     assert (0, ident) not in s.received  # its last chunk came: forgotten
     s.drop(2, ident, 4)
     s.chunk(2, codec.pack({4: "d"}, []), ident)
     assert s.staged == {} and s.ended == {(2, ident): 4}
     s.chunk(2, codec.pack({5: "e"}, []), ident)
     assert s.staged == {} and s.ended == {} and s.received == {}
+
+
+def test_an_old_owners_later_recopy_does_not_evict_the_new_owners_copy():
+    """The copies of one bin from two workers are staged apart, whatever their t0: the old owner's
+    replica copied again at a refresh round's data time (9) can be later than the new owner's copy
+    requested at a control time (8) after the bin left it. Its chunk, then its drop, must leave the
+    new owner's copy for that owner's hand-over (a regression: staging kept one copy a bin, the
+    later t0 winning, so the hand-over raised MegaphoneError)."""
+    w = Staging(Shared("m", 1, 2, 3))
+    codec = w.shared.codec
+    new, old = (8, 1), (9, 0)
+    w.chunk(0, codec.pack({1: "new", 2: "kept"}, []), new)  # the new owner's copy, one chunk
+    w.chunk(0, codec.pack({1: "stale"}, []), old)  # the old owner's recopy, sent before the bin left it
+    w.drop(0, old, 2)  # its fallback drop: its second chunk is still in flight
+    w.chunk(0, codec.pack({3: "stale"}, []), old)  # ignored, and then forgotten
+    state, _, n = w.install(0, pickle.dumps(({1: "newer"}, [2], [])), new, 1)
+    assert state == {1: "newer"} and n == 2
+    assert w.staged == {} and w.received == {} and w.ended == {}
+    # The other order: the old owner's chunk first, then the new owner's.
+    w.chunk(0, codec.pack({1: "stale"}, []), old)
+    w.chunk(0, codec.pack({1: "new"}, []), new)
+    w.drop(0, old, 1)
+    assert w.install(0, pickle.dumps(({}, [], [])), new, 1)[0] == {1: "new"}
+    assert w.staged == {} and w.received == {} and w.ended == {}
 
 
 def replicas_then_rebalance_job(worker, k: int, epochs: list, target: list, start_at: int):
