@@ -303,9 +303,9 @@ class Peer:
     def _queue(self, head: bytes, payload: bytes, buffers: tuple, size: int) -> None:
         self.backlog.append((head, payload, buffers, size))
         self.backlog_bytes += size
-        if self.backlog_bytes > self.backlog_bound:
-            # Over its bound within one step (a flush of a large batch): wait for room now, not at
-            # the step's release, so at most the bound plus one message waits here.
+        if self.backlog_bytes - size > self.backlog_bound:
+            # Over its bound before this message, within one step (a flush of a large batch): wait
+            # for room now, not at the step's release, so at most the bound plus one message waits.
             self.on_over_bound(self)
 
     def _send_rest(self, payload: bytes, buffers: tuple) -> None:
