@@ -33,6 +33,7 @@ from timely.columnar import (
     hash_columns,
     same_columns,
     schema_difference,
+    take_rows,
 )
 
 from .bins import MegaphoneError, Shared, StateCodec
@@ -180,8 +181,8 @@ class RunningAggregates(StateCodec):
         state = merged.drop_columns([_NEW])
         for b, bin_, lo, hi in zip(touched, held, los, his):
             assert bin_ is not None
-            bin_.state = state.take(order[lo:hi])
-        fresh = merged.filter(pc.equal(merged.column(_NEW), 1)).drop_columns([_NEW])
+            bin_.state = take_rows(state, order[lo:hi])
+        fresh = take_rows(merged, np.flatnonzero(merged.column(_NEW).to_numpy() == 1)).drop_columns([_NEW])
         return [self._finish(fresh)]
 
     def _merge(self, olds: list[pa.RecordBatch], new: pa.RecordBatch) -> pa.RecordBatch:
@@ -287,7 +288,7 @@ def _split(batch: pa.RecordBatch, workers: np.ndarray, peers: int, parts: list[l
     order = np.argsort(workers, kind="stable")
     ends = np.cumsum(counts)
     for w in np.flatnonzero(counts):
-        parts[w].append(batch.take(order[ends[w] - counts[w]:ends[w]]))
+        parts[w].append(take_rows(batch, order[ends[w] - counts[w]:ends[w]]))
 
 
 def aggregate(stream: BatchStream | Stream, control: ControlInput | Stream, key: str,

@@ -23,7 +23,7 @@ import pyarrow as pa
 from ..comm.framing import register_extension
 from . import codec
 from .channels import ColumnDistribute, ColumnExchange
-from .kernels import Aggregation, bins_of_hashes, grouped, hash_columns, worker_parts
+from .kernels import Aggregation, bins_of_hashes, filter_rows, grouped, hash_columns, take_rows, worker_parts
 from .stream import (
     BatchInput,
     BatchStream,
@@ -36,8 +36,8 @@ from .stream import (
 )
 
 __all__ = ["Aggregation", "BatchInput", "BatchStream", "ColumnDistribute", "ColumnExchange", "bins_of_hashes",
-           "from_batches", "from_rows", "grouped", "hash_columns", "new_input", "rows_of", "same_columns",
-           "schema_difference", "worker_parts"]
+           "filter_rows", "from_batches", "from_rows", "grouped", "hash_columns", "new_input", "rows_of",
+           "same_columns", "schema_difference", "take_rows", "worker_parts"]
 
 #: The msgpack extension code of a RecordBatch inside an ordinary record.
 RECORD_BATCH_EXT = 1

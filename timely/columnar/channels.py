@@ -1,7 +1,7 @@
 """Pacts for streams of record batches: rows routed by key, buffers sent without copies.
 
 A columnar channel splits each ``pyarrow.RecordBatch`` it is given into one part per worker
-(``RecordBatch.take`` of that worker's rows), delivers this worker's part at once, and gathers the
+(a ``take`` of that worker's rows), delivers this worker's part at once, and gathers the
 parts for each other worker per time. It sends them as one message of Arrow buffers
 (:mod:`timely.columnar.codec`, the comm layer's ``push_buffers``: each buffer one ZeroMQ frame, no
 msgpack, no copy) once they reach :data:`GATHER_BYTES`, when parts of another time arrive for that
@@ -65,7 +65,7 @@ class ColumnExchange(Pact):
                     continue
                 # One gather for all workers; each worker's part is a slice of it (the codec sends
                 # only the slice's bytes).
-                grouped = batch.take(order)
+                grouped = kernels.take_rows(batch, order)  # (view columns too)
                 for w in np.flatnonzero(sizes).tolist():
                     parts[w].append(grouped.slice(int(starts[w]), int(sizes[w])))
             return parts
@@ -151,7 +151,7 @@ class ColumnChannel(Channel):
         batches = batch if type(batch) is list else list(batch)
         try:
             parts = self.partitioner(time, batches, self.peers)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, pa.ArrowException) as e:
             raise_with_context(e, f"operator '{self.op_name}': cannot route a batch at time {time!r}")
         if len(parts) != self.peers:
             raise ValueError(f"operator '{self.op_name}': partitioner returned {len(parts)} lists for "

@@ -16,8 +16,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from timely._native import hashing as _native
+from timely.errors import raise_with_context
 
-__all__ = ["Aggregation", "bins_of_hashes", "hash_array", "hash_columns", "worker_order", "worker_parts"]
+__all__ = ["Aggregation", "bins_of_hashes", "filter_rows", "hash_array", "hash_columns", "take_rows", "worker_order",
+           "worker_parts"]
 
 ArrayLike: TypeAlias = "pa.Array | pa.ChunkedArray"
 Columns: TypeAlias = "str | Sequence[str]"
@@ -165,6 +167,62 @@ def bins_of_hashes(hashes: np.ndarray, k: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
+# Gathering rows (take / filter), view types included
+# ---------------------------------------------------------------------------------------------
+
+@functools.cache
+def _without_views(t: pa.DataType) -> pa.DataType:
+    """``t`` with every string_view / binary_view in it (at any depth of lists, structs and maps)
+    made large_string / large_binary: the types pyarrow can ``take`` and ``filter`` (it has no
+    such kernels for the view types; a cast there and back keeps the values)."""
+    if pa.types.is_string_view(t):
+        return pa.large_string()
+    if pa.types.is_binary_view(t):
+        return pa.large_binary()
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_without_views(f.type)) for f in t.fields])
+    if pa.types.is_map(t):
+        return pa.map_(t.key_field.with_type(_without_views(t.key_type)),
+                       t.item_field.with_type(_without_views(t.item_type)), t.keys_sorted)
+    if pa.types.is_list(t):
+        return pa.list_(t.value_field.with_type(_without_views(t.value_type)))
+    if pa.types.is_large_list(t):
+        return pa.large_list(t.value_field.with_type(_without_views(t.value_type)))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(t.value_field.with_type(_without_views(t.value_type)), t.list_size)
+    return t  # (dictionaries take their indices only; list views take without touching values)
+
+
+def _gather(batch: pa.RecordBatch, how: str, arg: object) -> pa.RecordBatch:
+    """``batch.take(arg)`` or ``batch.filter(arg)``, column by column where a column has a view type;
+    a pyarrow error names the column it came from."""
+    plain = [_without_views(f.type) for f in batch.schema]
+    if all(p == f.type for p, f in zip(plain, batch.schema)):
+        try:
+            return getattr(batch, how)(arg)
+        except pa.ArrowException:
+            pass  # (again column by column below, to name the column)
+    columns = []
+    for field, col, p in zip(batch.schema, batch.columns, plain):
+        try:
+            columns.append(getattr(col, how)(arg) if p == col.type else getattr(col.cast(p), how)(arg).cast(col.type))
+        except pa.ArrowException as e:
+            raise_with_context(e, f"{how} of column {field.name!r} ({field.type})")
+    return pa.RecordBatch.from_arrays(columns, schema=batch.schema)
+
+
+def take_rows(batch: pa.RecordBatch, indices: object) -> pa.RecordBatch:
+    """``batch.take(indices)``, also for string_view / binary_view columns (taken as their large
+    forms and cast back: the schema is kept)."""
+    return _gather(batch, "take", indices)
+
+
+def filter_rows(batch: pa.RecordBatch, mask: object) -> pa.RecordBatch:
+    """``batch.filter(mask)``, also for string_view / binary_view columns (as :func:`take_rows`)."""
+    return _gather(batch, "filter", mask)
+
+
+# ---------------------------------------------------------------------------------------------
 # Partial aggregation
 # ---------------------------------------------------------------------------------------------
 
@@ -205,9 +263,47 @@ def _sum_type(t: pa.DataType) -> pa.DataType:
 def _without_negative_zero(col: pa.ChunkedArray) -> pa.ChunkedArray:
     """A floating key column with -0.0 made 0.0 (``x + 0.0``; NaN stays NaN): ``hash64`` and the
     row operators take them as one key, and so must a group-by."""
+    if pa.types.is_float16(col.type):  # (no add kernel for halffloat: float32 holds it exactly)
+        return pc.add(col.cast(pa.float32()), pa.scalar(0.0, pa.float32())).cast(pa.float16())
     if pa.types.is_floating(col.type):
         return pc.add(col, pa.scalar(0.0, col.type))
     return col
+
+
+def _grouped_wraps(table: pa.Table, keys: list[str], aggs: list[tuple[str, str]],
+                   checked: Mapping[str, ArrayLike]) -> tuple[pa.Table, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """``table.group_by(keys).aggregate(aggs)`` (columns ``keys`` then ``f"{column}_{function}"``) and,
+    per integer column of ``checked`` (summed in ``aggs``; mapped to the float64 approximation of
+    each row's true value), per group ``(wraps, approx)``: how many times 2**64 the true sum
+    exceeds Arrow's wrapped one, and the true sum in float64. The wrapped sum differs from the
+    float64 one by a multiple of 2**64 exactly when it wrapped, as the float64 sum is far closer
+    than 2**63 to the true one."""
+    shadows = []
+    for column, approx in checked.items():
+        shadow = f"{column}__float"
+        table = table.append_column(shadow, approx)
+        shadows.append((column, shadow))
+    result = table.group_by(keys, use_threads=False).aggregate(aggs + [(s, "sum") for _, s in shadows])
+    out = {}
+    for column, shadow in shadows:
+        wrapped = result.column(f"{column}_sum").to_numpy(zero_copy_only=False)
+        approx = result.column(f"{shadow}_sum").to_numpy(zero_copy_only=False)
+        valid = ~np.isnan(approx)  # (a group of nulls only sums to null)
+        wraps = np.zeros(len(approx), np.int64)
+        wraps[valid] = np.rint((approx[valid] - wrapped[valid].astype(np.float64)) / 2.0 ** 64)
+        out[column] = (wraps, approx)
+    return result.select(keys + [f"{c}_{fn}" for c, fn in aggs]), out
+
+
+def _overflow(result: pa.Table, keys: list[str], column: str, sum_type: pa.DataType, wraps: np.ndarray,
+              approx: np.ndarray, name: Mapping[str, str]) -> None:
+    """Raise OverflowError naming ``column`` and the first key of ``result`` whose sum wrapped."""
+    if wraps.any():
+        i = int(np.flatnonzero(wraps)[0])
+        key = {name.get(k, k): result.column(k)[i].as_py() for k in keys}
+        raise OverflowError(
+            f"the sum of column {name.get(column, column)!r} leaves {sum_type} (key {key}: about "
+            f"{approx[i]:.6g}); cast the column to float64 before aggregating")
 
 
 def grouped(table: pa.Table, keys: list[str], aggs: list[tuple[str, str]],
@@ -219,26 +315,12 @@ def grouped(table: pa.Table, keys: list[str], aggs: list[tuple[str, str]],
     differs from the float64 one by a multiple of 2**64 exactly when it wrapped, as the float64 sum
     is far closer than 2**63 to the true one. ``names`` gives the user's names of internal columns
     for the message."""
-    name = (names or {}).get
-    shadows = []
-    for column, fn in aggs:
-        if fn == "sum" and column not in unchecked and pa.types.is_integer(table.schema.field(column).type):
-            shadow = f"{column}__float"
-            table = table.append_column(shadow, pc.cast(table.column(column), pa.float64(), safe=False))
-            shadows.append((column, shadow))
-    result = table.group_by(keys, use_threads=False).aggregate(aggs + [(s, "sum") for _, s in shadows])
-    for column, shadow in shadows:
-        wrapped = result.column(f"{column}_sum").to_numpy(zero_copy_only=False)
-        approx = result.column(f"{shadow}_sum").to_numpy(zero_copy_only=False)
-        valid = ~np.isnan(approx)  # (a group of nulls only sums to null)
-        wraps = np.rint((approx[valid] - wrapped[valid].astype(np.float64)) / 2.0 ** 64)
-        if wraps.any():
-            i = int(np.flatnonzero(valid)[np.flatnonzero(wraps)[0]])
-            key = {name(k, k): result.column(k)[i].as_py() for k in keys}
-            raise OverflowError(
-                f"the sum of column {name(column, column)!r} leaves {table.schema.field(column).type} (key {key}: about "
-                f"{approx[i]:.6g}); cast the column to float64 before aggregating")
-    return result.select(keys + [f"{c}_{fn}" for c, fn in aggs])
+    checked = {column: pc.cast(table.column(column), pa.float64(), safe=False) for column, fn in aggs
+               if fn == "sum" and column not in unchecked and pa.types.is_integer(table.schema.field(column).type)}
+    result, wraps = _grouped_wraps(table, keys, aggs, checked)
+    for column, (w, approx) in wraps.items():
+        _overflow(result, keys, column, table.schema.field(column).type, w, approx, names or {})
+    return result
 
 
 def _empty(schema: pa.Schema) -> pa.RecordBatch:
@@ -279,6 +361,11 @@ class Aggregation:
         # Partial tables: columns k0.. (the keys), then f"v{j}_{state}" per value column j.
         self._states = list(dict.fromkeys((self._values.index(c), s)
                                           for c, fn in self._outputs for s in _STATES[fn]))
+        # The integer sums: a partial table also counts, in column f"v{j}_wraps", how many times
+        # 2**64 each wrapped sum is short of the true one; only the final sum must fit its type (so
+        # the order of the batches never matters).
+        self._checked = [j for j, state in self._states
+                         if state == "sum" and pa.types.is_integer(_value_type(schema.field(self._values[j]).type))]
         fields = [pa.field(k, _value_type(schema.field(k).type)) for k in self._keys]
         fields += [pa.field(f"{c}_{fn}", self._output_type(c, fn)) for c, fn in self._outputs]
         names = [f.name for f in fields]
@@ -351,7 +438,9 @@ class Aggregation:
                     aggs.append((f"v{j}_wide", "sum"))
                 else:
                     aggs.append((f"v{j}", state))
-            self._partials.append(self._grouped(table, aggs))
+            checked = {j: (f"v{j}_wide", pc.cast(table.column(f"v{j}"), pa.float64(), safe=False))
+                       for j in self._checked}
+            self._partials.append(self._grouped(table, aggs, checked))
         if len(self._partials) > MAX_PARTIALS:
             self._merge()
 
@@ -360,16 +449,26 @@ class Aggregation:
         if len(self._partials) > 1:
             table = pa.concat_tables(self._partials)
             aggs = [(name, _MERGE[state]) for (_, state), name in zip(self._states, self._state_names())]
-            self._partials = [self._grouped(table, aggs)]
+            checked = {j: (f"v{j}_sum", self._true_sums(table, j)) for j in self._checked}
+            self._partials = [self._grouped(table, aggs, checked)]
 
-    def _grouped(self, table: pa.Table, aggs: list[tuple[str, str]]) -> pa.Table:
+    @staticmethod
+    def _true_sums(partial: pa.Table, j: int) -> pa.ChunkedArray:
+        """The true sums of value column ``j`` in a partial table, in float64 (wrapped + wraps * 2**64)."""
+        wrapped = pc.cast(partial.column(f"v{j}_sum"), pa.float64(), safe=False)
+        return pc.add(wrapped, pc.multiply(pc.cast(partial.column(f"v{j}_wraps"), pa.float64()), 2.0 ** 64))
+
+    def _grouped(self, table: pa.Table, aggs: list[tuple[str, str]],
+                 checked: Mapping[int, tuple[str, ArrayLike]]) -> pa.Table:
         """``table`` grouped by k0.. with ``aggs`` (one per partial state, in order), as a partial
-        table: columns k0.., then the state columns."""
+        table: columns k0.., then the state columns, then ``v{j}_wraps`` per integer sum ``j``
+        (``checked[j]``: the column summed, and the float64 approximation of its true values)."""
         keys = self._key_names()
-        counts = [f"v{j}_count" for j, state in self._states if state == "count"]  # (merged by sum)
-        names = {f"k{i}": k for i, k in enumerate(self._keys)}
-        names.update({f"v{j}{suffix}": c for j, c in enumerate(self._values) for suffix in ("_wide", "_sum")})
-        return grouped(table, keys, aggs, counts, names).rename_columns(keys + self._state_names())
+        result, wraps = _grouped_wraps(table, keys, aggs, dict(checked.values()))
+        result = result.rename_columns(keys + self._state_names())
+        for j in self._checked:
+            result = result.append_column(f"v{j}_wraps", pa.array(wraps[checked[j][0]][0]))
+        return result
 
     @staticmethod
     def _decoded(col: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -390,6 +489,11 @@ class Aggregation:
         if not self._partials:
             return _empty(self.schema)
         part = self._partials[0].combine_chunks()
+        for j in self._checked:  # an integer sum must fit its type in the end
+            sums = part.column(f"v{j}_sum")
+            _overflow(part, self._key_names(), f"v{j}_sum", sums.type,
+                      part.column(f"v{j}_wraps").to_numpy(), self._true_sums(part, j).to_numpy(zero_copy_only=False),
+                      {**{f"k{i}": k for i, k in enumerate(self._keys)}, f"v{j}_sum": self._values[j]})
         cols = [part.column(f"k{i}") for i in range(len(self._keys))]
         for column, fn in self._outputs:
             j = self._values.index(column)

@@ -31,7 +31,7 @@ def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
     for field in expected:
         if field.name not in names:
             return f"column '{field.name}' is missing (the batch has {got.names})"
-        other = got.field(field.name)
+        other = got.field(got.names.index(field.name))
         if not other.type.equals(field.type):
             return f"column '{field.name}' is {other.type}, expected {field.type}"
     extra = [n for n in got.names if n not in set(expected.names)]
@@ -250,9 +250,10 @@ class BatchStream:
         return BatchStream(self.stream.inspect_batch(f, name), self.schema)
 
     def concat(self, *others: BatchStream, name: str | None = None) -> BatchStream:
-        """One stream of this stream's and ``others``' batches (their schemas must be equal)."""
+        """One stream of this stream's and ``others``' batches (their schemas must have the same column
+        names and types, in order: nullability and metadata are not compared, as everywhere else)."""
         for o in others:
-            if self.schema is not None and o.schema is not None and not o.schema.equals(self.schema):
+            if self.schema is not None and o.schema is not None and not same_columns(o.schema, self.schema):
                 raise BuildError(f"concat: schemas differ: {schema_difference(self.schema, o.schema)}")
         return BatchStream(self.stream.concat(*(o.stream for o in others), name=name), self.schema)
 
@@ -302,7 +303,14 @@ class BatchInput:
         the input's schema) at the current epoch."""
         if isinstance(batch, Mapping):
             batch = self._from_columns(batch)
-        batches = batch.to_batches() if isinstance(batch, pa.Table) else [batch]
+        if isinstance(batch, pa.Table):
+            # (checked as a whole: an empty table has no batches to check)
+            if batch.schema is not self.schema and not same_columns(batch.schema, self.schema):
+                raise ValueError(f"operator '{self._handle.name}': table schema does not match the stream's: "
+                                 f"{schema_difference(self.schema, batch.schema)}")
+            batches = batch.to_batches()
+        else:
+            batches = [batch]
         for b in batches:
             self._check(b)  # all checked before any is sent
         self._handle.send_batch(batches)
@@ -371,16 +379,21 @@ def from_rows(stream: Stream, schema: pa.Schema, name: str | None = None) -> Bat
         if not rows:
             return []
         try:
-            columns = list(zip(*rows)) if width else []
-            if width and any(len(r) != width for r in rows):
+            if any(len(r) != width for r in rows):
                 raise ValueError("width")
-            arrays = [pa.array(col, type=f.type) for col, f in zip(columns, schema)]
-            return [pa.RecordBatch.from_arrays(arrays, schema=schema) if width
-                    else pa.RecordBatch.from_pylist([{}] * len(rows), schema=schema)]
+            if not width:  # (from_arrays and from_pylist would give no rows at all)
+                return [_no_columns(len(rows), schema)]
+            arrays = [pa.array(col, type=f.type) for col, f in zip(zip(*rows), schema)]
+            return [pa.RecordBatch.from_arrays(arrays, schema=schema)]
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
             raise ValueError(f"operator '{name}': {_bad_row(rows, schema)}") from None
 
     return BatchStream(stream.map_batch(convert, name), schema)
+
+
+def _no_columns(n: int, schema: pa.Schema) -> pa.RecordBatch:
+    """A batch of ``n`` rows and no columns, of the zero-column ``schema`` (its metadata kept)."""
+    return pa.RecordBatch.from_arrays([pa.nulls(n)], names=["_"]).select([]).replace_schema_metadata(schema.metadata)
 
 
 def _bad_row(rows: Sequence, schema: pa.Schema) -> str:
