@@ -134,23 +134,30 @@ class Coordinator:
 
         The request asks for ``pending`` replies (``progress``): once the coordinator says the
         commit is decided, this waits up to the timeout once more for the final reply (every
-        worker emitted the epoch). Raises :class:`CoordinatorUnreachable` when nothing answered
-        within the timeout and nothing was decided, and :class:`CommitUnconfirmed` when the
-        coordinator decided the commit and its final reply did not come within the timeout after
-        (a decided commit is never reported as failed, and never waited for without bound)."""
+        worker emitted the epoch). Raises :class:`CoordinatorUnreachable` when the request never
+        went out (no connection to the coordinator within the timeout: nothing can have been
+        applied), and :class:`CommitUnconfirmed` when it went out and no final reply came: the
+        coordinator decided the commit and did not confirm it within the timeout after, or it
+        never answered (a coordinator busy in a long step decides it later). A commit that may
+        have been decided is never reported as failed, and never waited for without bound."""
         fields.update(op=op.value, progress=True)
         msg = P.pack(fields)
         step = retry_wait(self.timeout)
         sock = context().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # A message is queued only on a completed connection, so a send that succeeds may reach the
+        # coordinator: it answers from its worker's step, and one busy in a long step reads the
+        # request later and decides it, however long after we gave up (closing our socket cannot
+        # take it back). Only a request that never went out is known to have applied nothing.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
         if self.secret is not None:
             self.secret.connect(sock)
         decided: CommitPending | None = None
+        delivered = False  # some send went out on a live connection
         try:
             sock.connect(self.endpoint)
-            sock.send(msg)
             now = time.monotonic()
-            deadline, resend = now + self.timeout, now + step  # deadline: no answer at all until then
+            deadline, resend = now + self.timeout, now  # deadline: no answer at all until then
             while True:
                 now = time.monotonic()
                 if now >= deadline:
@@ -160,12 +167,24 @@ class Coordinator:
                             f"{self.timeout:g} s: the outcome is unknown (the write is applied unless the timely "
                             f"cluster fails first); do not write the batch again, that would duplicate its rows; "
                             f"see spark_bridge.status(endpoint)['stats'] for its epoch") from None
+                    if delivered:
+                        raise CommitUnconfirmed(
+                            f"the timely coordinator at {self.endpoint} received the '{op.value}' request but did "
+                            f"not answer within {self.timeout:g} s (its worker busy in a long step, or the cluster "
+                            "failing): the outcome is unknown, it may still decide the commit; do not write the "
+                            "batch again before spark_bridge.status(endpoint)['stats'] shows it was not applied")
                     raise CoordinatorUnreachable(
                         f"timely coordinator at {self.endpoint} did not answer a '{op.value}' request within "
                         f"{self.timeout:g} s: is the timely job running and serving that endpoint? {_SECRET_HINT}")
                 if now >= resend:
-                    sock.send(msg)  # a restarted cluster gets it; a live one answers 'pending' at once
-                    resend = now + step
+                    # A restarted cluster gets it; a live one answers 'pending' at once. No
+                    # connection yet: try again shortly.
+                    try:
+                        sock.send(msg, zmq.NOBLOCK)
+                        delivered = True
+                        resend = now + step
+                    except zmq.Again:
+                        resend = now + min(0.01, step)
                 if not sock.poll(max(1, int((min(deadline, resend) - now) * 1000))):
                     continue
                 reply = P.unpack(sock.recv())

@@ -136,6 +136,48 @@ def test_a_commit_decided_then_unanswered_is_unconfirmed_not_unreachable():
     assert result == [(0, [(1, 1), (2, 2)])]
 
 
+_BUSY = threading.Event()
+
+
+def _busy_once(r):
+    if r[0] == -1 and not _BUSY.is_set():
+        _BUSY.set()
+        time.sleep(4)  # one long step of the only worker, whose thread answers the coordinator
+    return r
+
+
+def _busy_job(scope, ep):
+    cap = spark_bridge.source(scope, "events", SCHEMA, coordinator=ep).map(_busy_once).capture()
+    return cap.extract
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_sent_to_a_busy_coordinator_is_unconfirmed_not_unreachable():
+    """A commit that reached a coordinator busy in a long step, before it decided anything: the
+    coordinator reads it after the step and decides it, however long after the client gave up.
+    The client said CoordinatorUnreachable ('applied nothing: write the DataFrame again'), and a
+    write again duplicated its rows. A request that went out on a live connection is unconfirmed."""
+    _BUSY.clear()
+    with ThreadJob(_busy_job) as job:
+        opts = {"endpoint": job.endpoint, "stream": "events", "timeout": "1"}
+        first = D._plan_write({**opts, "timeout": "30"}, SCHEMA, False, "write-a", 0)
+        second = D._plan_write(opts, SCHEMA, False, "write-b", 0)
+        m1, m2 = D._write(first, iter([batch([-1])]), 0), D._write(second, iter([batch([1, 2, 3])]), 0)
+        committing = threading.Thread(target=lambda: D._commit(first, [m1], 0), daemon=True)
+        committing.start()
+        assert _BUSY.wait(10)
+        with pytest.raises(CommitUnconfirmed, match="received the 'commit' request.*outcome is unknown"):
+            D._commit(second, [m2], 0)
+        committing.join(30)
+        deadline = time.monotonic() + 20
+        while job.stats()["epochs"] != 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        result = job.stop()
+    assert sorted(r for _, rows in result for r in rows) == [(-1, -1), (1, 1), (2, 2), (3, 3)]  # it was applied
+    with pytest.raises(CoordinatorUnreachable):  # nothing listens: nothing went out, nothing applied
+        client.Coordinator("tcp://127.0.0.1:9", 0.3).request_until_answered(P.Request.COMMIT, stream="events")
+
+
 # -- 2. a batch read past the end of a completed sink ------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_batch_read_past_the_end_of_a_completed_sink_returns_the_epochs_that_exist():
