@@ -27,6 +27,7 @@ from typing import Any
 
 from .client import close_stream, shutdown, status
 from .errors import (
+    BadEndpoint,
     BridgeError,
     ClusterStopping,
     CommitPending,
@@ -41,9 +42,9 @@ from .schema import SchemaError
 from .server import serve, server_of
 
 __all__ = [
-    "BridgeError", "ClusterStopping", "CommitPending", "CommitUnconfirmed", "CoordinatorUnreachable", "SchemaError",
-    "SchemaMismatch", "UnknownStream", "WorkerUnreachable", "arrow_to_rows", "close_stream", "endpoint", "register",
-    "run", "serve", "shutdown", "sink", "source", "status", "stop",
+    "BadEndpoint", "BridgeError", "ClusterStopping", "CommitPending", "CommitUnconfirmed", "CoordinatorUnreachable",
+    "SchemaError", "SchemaMismatch", "UnknownStream", "WorkerUnreachable", "arrow_to_rows", "close_stream", "endpoint",
+    "register", "run", "serve", "shutdown", "sink", "source", "status", "stop",
 ]
 
 

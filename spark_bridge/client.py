@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import threading
 import time
 import uuid
@@ -23,6 +24,7 @@ from timely.comm.secret import JobSecret, resolve
 
 from . import protocol as P
 from .errors import (
+    BadEndpoint,
     BridgeError,
     ClusterStopping,
     CommitPending,
@@ -89,13 +91,28 @@ def seconds(value: Any, name: str = "timeout") -> float:
     return out
 
 
+_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})")
+
+
+def checked_endpoint(endpoint: str) -> str:
+    """``endpoint`` if it is ``tcp://HOST:PORT`` (``[IPV6]`` as a host too) or ``ipc://PATH``, else
+    :class:`BadEndpoint` naming the option (ZeroMQ's own error named neither)."""
+    example = "the timely coordinator, e.g. tcp://127.0.0.1:7447 or ipc:///tmp/job/coordinator"
+    if not endpoint:
+        raise BadEndpoint(f"the 'endpoint' option ({example}) is required")
+    tcp = _TCP.fullmatch(endpoint) if isinstance(endpoint, str) else None
+    if tcp is not None and 0 < int(tcp.group(2)) < 65536:
+        return endpoint
+    if isinstance(endpoint, str) and endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return endpoint
+    raise BadEndpoint(f"the 'endpoint' option {endpoint!r} is not tcp://HOST:PORT or ipc://PATH ({example})")
+
+
 class Coordinator:
     """Requests to worker 0's coordinator endpoint; each gets a fresh socket and a deadline."""
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, secret: JobSecret | None = None) -> None:
-        if not endpoint:
-            raise ValueError("the 'endpoint' option (the timely coordinator, e.g. tcp://127.0.0.1:7447) is required")
-        self.endpoint = endpoint
+        self.endpoint = checked_endpoint(endpoint)
         self.timeout = seconds(timeout)
         self.secret = secret
 

@@ -9,6 +9,10 @@ class BridgeError(TimelyError, RuntimeError):
     catches it too)."""
 
 
+class BadEndpoint(BridgeError, ValueError):
+    """An endpoint option that is not ``tcp://HOST:PORT`` or ``ipc://PATH``."""
+
+
 class CoordinatorUnreachable(BridgeError, TimeoutError):
     """The coordinator (worker 0's endpoint) did not answer in time."""
 
@@ -38,9 +42,10 @@ class CommitPending(BridgeError):
 
 
 class CommitUnconfirmed(BridgeError, TimeoutError):
-    """The coordinator decided a commit but did not confirm within the timeout that every worker
-    emitted its epoch: the write is applied unless the timely cluster fails first. Never write the
-    batch again (that would duplicate its rows)."""
+    """A commit's outcome is unknown: the coordinator decided it but did not confirm within the
+    timeout that every worker emitted its epoch (the write is applied unless the timely cluster
+    fails first), or it received the request and did not answer (it may decide it later). Do not
+    write the batch again without checking ``spark_bridge.status`` (that could duplicate its rows)."""
 
 
 _KINDS = {

@@ -178,6 +178,22 @@ def test_a_commit_sent_to_a_busy_coordinator_is_unconfirmed_not_unreachable():
         client.Coordinator("tcp://127.0.0.1:9", 0.3).request_until_answered(P.Request.COMMIT, stream="events")
 
 
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:7447", "tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://:7447",
+                                      "tcp://127.0.0.1:99999", "ipc://", "http://127.0.0.1:7447"])
+def test_a_malformed_endpoint_is_a_bridge_error_naming_the_option(endpoint):
+    """ZeroMQ's own error (ZMQError: Invalid argument) named neither the option nor the form, and
+    ``except BridgeError`` did not catch it."""
+    with pytest.raises(spark_bridge.BadEndpoint, match="'endpoint' option .* tcp://HOST:PORT or ipc://PATH"):
+        spark_bridge.status(endpoint, timeout=0.3)
+    with pytest.raises(BridgeError, match="'endpoint' option"):
+        D._plan_write({"endpoint": endpoint, "stream": "events", "timeout": "0.3"}, SCHEMA, False, "q", 0)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:9", "tcp://localhost:9", "tcp://[::1]:9", "ipc:///tmp/x"])
+def test_a_wellformed_endpoint_is_accepted(endpoint):
+    assert client.checked_endpoint(endpoint) == endpoint
+
+
 # -- 2. a batch read past the end of a completed sink ------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_batch_read_past_the_end_of_a_completed_sink_returns_the_epochs_that_exist():
