@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -79,6 +80,27 @@ def _session(opts: argparse.Namespace) -> Any:
     return builder.getOrCreate()
 
 
+#: The last line of a Python traceback inside Spark's error: ``ModuleNotFoundError: No module ...``.
+_PYTHON_ERROR = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.*)$")
+
+
+def stage_failure(e: BaseException) -> str:
+    """One line for Spark's failure of the barrier stage: the Python exception raised in a task
+    where Spark's error carries one (a Py4JJavaError's first line names only the Java call), with a
+    hint when the executors could not import the project; else the error's first line."""
+    text = str(e).strip()
+    found = [m for m in map(_PYTHON_ERROR.match, text.splitlines()) if m is not None
+             and not m.group(1).startswith(("py4j.", "org.apache.", "java."))]
+    if not found:
+        return f"{type(e).__name__}: {(text.splitlines() or [type(e).__name__])[0]}"
+    name, message = found[-1].groups()
+    line = f"{name}: {message} (raised in a Spark task; the log above has Spark's whole error)"
+    if name.endswith(("ModuleNotFoundError", "ImportError")):
+        line += ("; the executors' Python must have this project and its dependencies: set PYSPARK_PYTHON "
+                 "(or spark.pyspark.python) to it")
+    return line
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the job on the Spark cluster and return the exit status."""
     from timely import WorkerError
@@ -122,8 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"spark_bridge.launch: timeout: {e}\n")
         return 1
     except Exception as e:  # Spark's own failure of the stage (its first line; the log has the rest)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        sys.stderr.write(f"spark_bridge.launch: the barrier stage failed: {type(e).__name__}: {first}\n")
+        sys.stderr.write(f"spark_bridge.launch: the barrier stage failed: {stage_failure(e)}\n")
         return 1
     except KeyboardInterrupt:
         if job is not None:

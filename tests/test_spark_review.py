@@ -336,3 +336,25 @@ def test_the_barrier_launcher_reports_sparks_own_failure_in_one_line(tmp_path, m
     err = capsys.readouterr().err
     assert err == ("spark_bridge.launch: the barrier stage failed: RuntimeError: An error occurred while calling "
                    "z:collectAndServe.\n")
+
+
+def test_the_launchers_stage_failure_line_names_the_python_error_of_the_task():
+    """A Py4JJavaError's first line names only the Java call; the Python error raised in a task
+    (here the executors' interpreter lacked zmq) was left in the Java stack dump above it."""
+    from spark_bridge.launch import stage_failure
+
+    class Py4JJavaError(Exception):
+        pass
+
+    spark_error = Py4JJavaError(
+        "An error occurred while calling z:org.apache.spark.api.python.PythonRDD.collectAndServe.\n"
+        ": org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 0.0 failed\n"
+        "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+        '  File "/opt/spark/python/pyspark/worker.py", line 1247, in main\n'
+        '  File "/work/main/spark_bridge/client.py", line 20, in <module>\n'
+        "    import zmq\n"
+        "ModuleNotFoundError: No module named 'zmq'\n"
+        "\tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator.handlePythonException(PythonRunner.scala:572)\n")
+    line = stage_failure(spark_error)
+    assert line.startswith("ModuleNotFoundError: No module named 'zmq'") and "PYSPARK_PYTHON" in line, line
+    assert stage_failure(RuntimeError("first line\nsecond")) == "RuntimeError: first line"
