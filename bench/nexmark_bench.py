@@ -41,13 +41,20 @@ from timely import collector
 
 
 def parse_params(items: list[str]) -> dict:
-    """``name=value`` overrides of :class:`nexmark.model.Params` (integers)."""
-    out = {}
+    """``name=value`` overrides of :class:`nexmark.model.Params` (integers; ``q3_states`` a
+    comma-separated list of states)."""
+    out: dict = {}
     for item in items:
         name, _, value = item.partition("=")
         if name not in Params._fields or name == "d":
             raise SystemExit(f"unknown query parameter {name!r} (one of {', '.join(Params._fields[1:])})")
-        out[name] = int(value)
+        if name == "q3_states":
+            out[name] = tuple(s.strip() for s in value.split(",") if s.strip())
+            continue
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise SystemExit(f"query parameter {name} needs an integer, not {value!r}") from None
     return out
 
 

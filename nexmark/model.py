@@ -124,7 +124,8 @@ class Params(NamedTuple):
     q3_states: tuple = ("OR", "ID", "CA")
 
     def check(self) -> Params:
-        """Validate (windows positive, the Q5 window a multiple of its slide); return self."""
+        """Validate (windows positive, the Q5 window a multiple of its slide, Q2's skip at least
+        1); return self."""
         if self.d < 1:
             raise ValueError(f"time dilation must be >= 1, not {self.d}")
         for name in ("q5_window_ms", "q5_slide_ms", "q7_window_ms", "q8_window_ms"):
@@ -132,4 +133,6 @@ class Params(NamedTuple):
                 raise ValueError(f"{name} must be positive")
         if self.q5_window_ms % self.q5_slide_ms:
             raise ValueError("q5_window_ms must be a multiple of q5_slide_ms")
+        if self.q2_skip < 1:  # (Q2 keeps the auctions whose id is a multiple of it)
+            raise ValueError(f"q2_skip must be at least 1, not {self.q2_skip}")
         return self

@@ -17,7 +17,7 @@ from conftest import workers_param
 
 from nexmark.generator import Generator
 from nexmark.harness import CHECK_CONFIG, CHECK_PARAMS, Run, diff, execute, expected, random_moves
-from nexmark.model import Config
+from nexmark.model import Config, Params
 from nexmark.queries import QUERIES
 
 queries_param = pytest.mark.parametrize("query", sorted(QUERIES))
@@ -182,3 +182,35 @@ def test_config_refuses_a_zero_divisor(field):
         Config(**{field: 0})
     with pytest.raises(ValueError, match="Config.bid_proportion must not be negative"):
         Config(bid_proportion=-1)
+
+
+@pytest.mark.parametrize("query", ["q4", "q6"])
+def test_megaphone_closed_auctions_keep_auction_zero(query):
+    """Config accepts first_auction_id=0; the Megaphone closed-auction timers encoded 'close' and
+    'expire' by the auction id's sign, so auction 0 never closed (its winning bid never reached
+    Q4 or Q6) and its pending bids never expired."""
+    config = replace(CHECK_CONFIG, seed=11, first_auction_id=0)
+    run = Run(query, config, 3000, CHECK_PARAMS["wide"], workers=1, flex=True)
+    got, want = execute(run), expected(run)
+    assert got == want, diff(got, want)
+
+
+def test_params_refuse_a_zero_q2_skip():
+    # Q2 keeps the auctions whose id is a multiple of q2_skip: zero failed inside the operator.
+    with pytest.raises(ValueError, match="q2_skip must be at least 1, not 0"):
+        Params(q2_skip=0).check()
+
+
+def test_the_benchmarks_param_option_parses_q3_states():
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
+    sys.path.insert(0, bench)
+    try:
+        from nexmark_bench import parse_params
+    finally:
+        sys.path.remove(bench)
+    assert parse_params(["q3_states=OR, WA", "q2_skip=7"]) == {"q3_states": ("OR", "WA"), "q2_skip": 7}
+    with pytest.raises(SystemExit, match="q2_skip needs an integer, not 'x'"):
+        parse_params(["q2_skip=x"])

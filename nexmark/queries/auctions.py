@@ -188,14 +188,14 @@ def closed_auctions_flex(s: Streams, control: Any, p: Params) -> timely.Stream:
             if close == t:
                 closing_now.append(aid)
             else:
-                notificator.notify_at(close, aid)
+                notificator.notify_at(close, 2 * aid)
         for bid in bids:
             aid = bid[0]
             e = state.get(aid)
             if e is None:
                 g = bid[B_TIME] // d
                 state[aid] = [None, [bid], g]
-                notificator.notify_at(g + 1, -aid)
+                notificator.notify_at(g + 1, 2 * aid + 1)
             elif not e:
                 continue
             elif e[0] is None:
@@ -204,20 +204,21 @@ def closed_auctions_flex(s: Streams, control: Any, p: Params) -> timely.Stream:
                     e[2] = bid[B_TIME] // d
             elif bid[B_PRICE] >= e[0][2]:
                 e[1] = _best(bid, e[0], e[1])
-        # Timers: +auction closes it, -auction expires its pending bids.
-        for x in (*timers, *closing_now):
-            aid = abs(x)
+        # Timers: 2 * auction closes it, 2 * auction + 1 expires its pending bids (a sign, as
+        # before, lost auction 0: Config's first_auction_id may be 0).
+        for x in (*timers, *(2 * aid for aid in closing_now)):
+            aid, expire = divmod(x, 2)
             e = state.get(aid)
             if not e:
                 continue
-            if x > 0 and e[0] is not None:
+            if not expire and e[0] is not None:
                 tombs = state.get(TOMBS)
                 if tombs is None:
                     tombs = state[TOMBS] = deque()
                 _bury(state, tombs, aid, BIN_TOMBSTONES)
                 if e[1] is not None:
                     out.append(_closed(aid, e[0], e[1]))
-            elif x < 0 and e[0] is None:
+            elif expire and e[0] is None:
                 if e[2] < t:
                     del state[aid]
                 else:
