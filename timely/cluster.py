@@ -171,6 +171,24 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise _Stopped()
 
 
+def _default_sigterm() -> None:
+    """In a process forked by a worker's job: SIGTERM's default action, not the worker's handler."""
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # (not the main thread: cannot happen right after a fork, but never fail one)
+        pass
+
+
+def _line_buffered(stream: Any) -> None:
+    """Make ``stream`` (a text stream) write what it holds at every newline, in one write, if it
+    can: line buffering, and no write-through (which would write every ``write`` call apart)."""
+    try:
+        stream.reconfigure(line_buffering=True, write_through=False)
+    except (AttributeError, ValueError, OSError):  # not an io.TextIOWrapper (replaced by the caller), or closed
+        pass
+
+
 def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
            conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
     """Body of a worker process: run ``entry(index, report)`` and report how it went."""
@@ -189,6 +207,15 @@ def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
         # A handler of the parent's (the launcher's: stop the workers) is not ours; an ignored
         # SIGHUP (nohup) stays ignored.
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    # Processes the job forks (a multiprocessing.Pool's) are not workers: SIGTERM ends them as it
+    # ends any process, not with the worker's _Stopped.
+    os.register_at_fork(after_in_child=_default_sigterm)
+    # Every worker writes to the same standard output and error: block buffering flushes in the
+    # middle of a line, and unbuffered output (PYTHONUNBUFFERED, -u) writes print's text and its
+    # newline apart, tearing the workers' lines apart (in a file or a pipe). Line-buffered, each
+    # line goes out whole, in one write.
+    _line_buffered(sys.stdout)
+    _line_buffered(sys.stderr)
 
     def report(result: Any) -> None:
         _send_report(conn, pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL))
@@ -287,9 +314,15 @@ def _report_failure(conn: multiprocessing.connection.Connection, exc: BaseExcept
         text = "".join(traceback.format_exception(type(exc), exc, tb))
     operator, cause = (exc.operator, _pickled(exc.cause)) if isinstance(exc, OperatorError) else (None, None)
     try:
-        _send_report(conn, pickle.dumps(("error", text, summary, isinstance(exc, PeerLost), operator, cause)))
+        _send_report(conn, pickle.dumps(("error", text, summary, _lost_a_peer(exc), operator, cause)))
     except Exception:
         pass
+
+
+def _lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a consequence of another worker's failure: :class:`PeerLost`, also when
+    an operator's error wraps it (an operator that catches and re-raises it as its own)."""
+    return isinstance(exc, PeerLost) or isinstance(exc, OperatorError) and isinstance(exc.cause, PeerLost)
 
 
 #: A report's length, before its bytes, on the pipe from a worker to the supervisor.
@@ -647,10 +680,14 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
     :class:`~timely.comm.zmq_allocator.ZmqAllocator`. With ``checkpoint``, the workers take
     checkpoints, and up to ``restarts`` times a failed run is started again from the latest one
     (:mod:`timely.recovery`; one line per restart on stderr). Raises :class:`WorkerError` naming the first
-    worker that failed (with its traceback text) after stopping the others.
+    worker that failed (with its traceback text) after stopping the others; a ``main`` that is an
+    ``async def`` or a generator function raises :class:`TypeError` before any worker starts.
     """
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}")
+    from .worker import check_main
+
+    check_main(main)  # an async or generator main: TypeError now, not an empty run of every worker
     if start == "spawn":
         _require_picklable(main, "main")
     from .dataflow.dataflow import check_progress_mode

@@ -27,6 +27,11 @@ class TimelyError(Exception):
     its attributes (``cause``, ``worker``, ...) and its class, whatever its constructor's
     arguments: it is rebuilt from its ``args`` and attributes, without calling ``__init__``."""
 
+    #: Raised while an operator runs, the error is the operator's (``Operator.schedule`` wraps it
+    #: in :class:`OperatorError`), unless this is False: a communication failure met by a send
+    #: (a peer lost) is not, and passes through so that the worker is seen failing because of it.
+    blames_operator: bool = True
+
     def __reduce__(self) -> tuple[Any, ...]:
         return _rebuild, (type(self), self.args), self.__dict__ or None
 

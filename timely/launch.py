@@ -18,9 +18,13 @@ SIGTSTP longer than ``--stopped-grace`` seconds (it is killed; a stop of the who
 --restarts R``, a worker that dies or raises first restarts the job from the latest checkpoint in
 DIR, up to R times, one line each: ``timely.recovery``; ``--timeout`` bounds all the runs together); 2 for a usage error (a bad
 option, an unreadable or empty ``--secret-file``) or a job file that cannot run (syntax error, no
-``main``, a ``main`` that is not a function), before any worker runs the job; 130 on Ctrl-C, 143 on
-SIGTERM, 129 on SIGHUP; 141 (SIGPIPE, nothing printed) when the job's output pipe was closed
-(``job | head``).
+``main``, a ``main`` that is not a function, or one that is an ``async def`` or a generator function
+or returns a coroutine or generator, which would never run), before any worker runs the job; 130
+on Ctrl-C, 143 on SIGTERM, 129 on SIGHUP; 141 (SIGPIPE, nothing printed, never restarted) when the
+job's output pipe was closed (``job | head``).
+
+Each worker's standard output and error are line-buffered: the workers' lines, in a file or a
+pipe, never tear one another apart.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ from .comm.errors import HostfileError
 from .comm.secret import JobSecret, SecretError, resolve
 from .errors import TimelyError
 from .recovery import run_restarting
+from .worker import MainNotRunError, check_main
 
 if TYPE_CHECKING:
     from .checkpoint.checkpointer import CheckpointConfig
@@ -219,21 +224,50 @@ class _Terminated(BaseException):
     """SIGTERM or SIGHUP received by the launcher (``args[0]``: the signal)."""
 
 
-def _bare_autobalance(argv: list[str]) -> list[str]:
+def _bare_autobalance(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """``--autobalance JOB.py ...``: the job file follows a bare ``--autobalance`` (whose OPTS are
-    optional), not its OPTS (``knob=value`` pairs), so argparse must not take it as them."""
-    for i, arg in enumerate(argv[:-1]):
-        if not arg.startswith("-"):
-            break  # the job file: what follows is the job's
-        if arg == "--autobalance" and "=" not in argv[i + 1] and (argv[i + 1].endswith(".py")
-                                                                  or os.path.isfile(argv[i + 1])):
-            return [*argv[:i], "--autobalance=", *argv[i + 1:]]
+    optional), not its OPTS (``knob=value`` pairs), so argparse must not take it as them. The scan
+    of the launcher's options skips the values of those that take one (``-w 2``), as ``parser``
+    defines them, and stops at the job file: what follows it is the job's."""
+    i = 0
+    while i < len(argv) - 1:
+        arg = argv[i]
+        if arg == "--" or not arg.startswith("-") or arg == "-":
+            break  # the job file (or the end of the options)
+        action = _option(parser, arg)
+        if action is not None and action.dest == "autobalance" and "=" not in arg:
+            following = argv[i + 1]
+            if "=" not in following and (following.endswith(".py") or os.path.isfile(following)):
+                return [*argv[:i], "--autobalance=", *argv[i + 1:]]
+            i += 1 if following.startswith("-") else 2  # its OPTS, if they follow
+            continue
+        i += 2 if action is not None and action.nargs is None and _value_follows(arg, action) else 1
     return argv
+
+
+def _option(parser: argparse.ArgumentParser, arg: str) -> argparse.Action | None:
+    """The action of the launcher option ``arg`` (``--name``, ``--name=value``, ``-w``, ``-w2``,
+    or an unambiguous abbreviation of a long name, as argparse allows); ``None`` if unknown."""
+    actions = parser._option_string_actions
+    name = arg.split("=", 1)[0] if arg.startswith("--") else arg
+    if name in actions:
+        return actions[name]
+    if arg.startswith("--"):
+        matches = {actions[o] for o in actions if o.startswith("--") and o.startswith(name)}
+        return matches.pop() if len(matches) == 1 else None
+    return actions.get(arg[:2])  # -w2: a short option with its value attached
+
+
+def _value_follows(arg: str, action: argparse.Action) -> bool:
+    """Whether the value of ``action``, written as ``arg``, is the next argument (not ``--name=v``
+    or ``-wV``)."""
+    return "=" not in arg if arg.startswith("--") else arg in action.option_strings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the job on this host's workers and return the exit status."""
-    opts = _parser().parse_args(_bare_autobalance(sys.argv[1:] if argv is None else list(argv)))
+    parser = _parser()
+    opts = parser.parse_args(_bare_autobalance(sys.argv[1:] if argv is None else list(argv), parser))
     try:
         if opts.workers < 1:
             raise _UsageError(f"-w must be at least 1, not {opts.workers}")
@@ -387,10 +421,14 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
         job_main = getattr(module, "main", None)
         if not callable(job_main):
             raise JobFileError(f"{job}: main is {type(job_main).__name__} {job_main!r:.60}, not a function of the worker")
-        run_worker(job_main, index, peers, endpoints, token, job_args, lambda _result: report(None),
-                   opts.fuzz, opts.watchdog, opts.watchdog_warn, secret, checkpoint=config, bind=bind.get(index),
-                   progress=opts.progress,
-                   **alloc_options)
+        try:
+            check_main(job_main)
+            run_worker(job_main, index, peers, endpoints, token, job_args, lambda _result: report(None),
+                       opts.fuzz, opts.watchdog, opts.watchdog_warn, secret, checkpoint=config, bind=bind.get(index),
+                       progress=opts.progress,
+                       **alloc_options)
+        except MainNotRunError as exc:  # an async or generator main (or one returning a coroutine)
+            raise JobFileError(f"{job}: {exc}") from None
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise _Terminated(signum)
@@ -426,9 +464,18 @@ def _run(opts: argparse.Namespace, endpoints: list[str], bind: dict[int, str], t
     if first.status == "killed" and first.signal == signal.SIGPIPE:
         return 128 + signal.SIGPIPE  # the output's reader went away (`| head`): end quietly
     _report(outcomes)
-    if all(o.status == "error" and (o.summary or "").split(":")[0].endswith("JobFileError") for o in failures):
+    if _job_file_failure(outcomes):
         return 2  # the job file cannot run: a usage error, like a syntax error
     return 1
+
+
+def _job_file_failure(outcomes: list[Outcome]) -> bool:
+    """Whether the run failed only because the job file cannot run: every worker that failed by
+    itself raised :class:`JobFileError`. Workers the supervisor stopped (still importing a slower
+    job file, say) and those that only lost a peer are consequences, not failures of their own."""
+    own = [o for o in outcomes if o.failed and o.status != "stopped" and not o.secondary]
+    return bool(own) and all(o.status == "error" and (o.summary or "").split(":")[0].endswith("JobFileError")
+                             for o in own)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,13 @@
 restarts remain, it starts all workers again (fresh processes) and they resume from the newest
 complete manifest under the checkpoint URL, their sources replaying from its epoch. A failure of
 the checkpoints themselves (a corrupt or foreign checkpoint, a full disk: :class:`CheckpointError`)
-or a job file that cannot run is not retried: it would fail again.
+or a job file that cannot run is not retried: it would fail again. Nor is a worker killed by
+SIGPIPE: the job's output pipe was closed (``job | head``), and its reader wants no more.
 """
 from __future__ import annotations
 
 import dataclasses
+import signal
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -27,7 +29,10 @@ _FINAL = ("CheckpointError", "JobFileError")
 def retryable(failure: Outcome) -> bool:
     """True unless ``failure`` is one a restart would repeat (see :data:`_FINAL`): the worker's own
     exception, or the cause of an operator's failure (a full disk under the exactly-once sink is
-    an ``OperatorError`` caused by a ``CheckpointError``), or any exception that caused those."""
+    an ``OperatorError`` caused by a ``CheckpointError``), or any exception that caused those; nor
+    is a worker killed by SIGPIPE (its output's reader went away: ``job | head``)."""
+    if failure.status == "killed" and failure.signal == signal.SIGPIPE:
+        return False
     if failure.status != "error":
         return True
     kinds = {(failure.summary or "").split(":")[0].rsplit(".", 1)[-1]}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time as _time
 import uuid
 from collections.abc import Callable, Iterator, Sequence, Set
@@ -13,7 +14,7 @@ from .dataflow.dataflow import Dataflow, check_progress_mode
 from .dataflow.fuzz import Fuzzer
 from .dataflow.input import InputHandle
 from .dataflow.scope import Scope
-from .errors import BuildError, ProgressMismatchError
+from .errors import BuildError, ProgressMismatchError, TimelyError
 from .metrics import WorkerMetrics, add_source, attach
 from .watchdog import Watchdog
 
@@ -23,6 +24,47 @@ CHECKPOINT_POLL = 0.05
 if TYPE_CHECKING:
     from .checkpoint.checkpointer import CheckpointConfig, Checkpointer
     from .comm.secret import JobSecret
+
+
+class MainNotRunError(TimelyError, TypeError):
+    """``main`` is (or returned) a coroutine or a generator: calling it did not run the job."""
+
+
+def check_main(main: Callable[..., Any]) -> None:
+    """Raise :class:`MainNotRunError` (a :class:`TypeError`) if ``main`` is a function whose call
+    would not run its body: an ``async def`` (a coroutine function), an async generator or a
+    generator function (one that contains ``yield``). Timely calls ``main(worker)`` and takes what it returns as the result;
+    such a call only creates a coroutine or generator, and the job would end without running."""
+    if inspect.iscoroutinefunction(main):
+        kind = "an async function (async def)"
+    elif inspect.isasyncgenfunction(main):
+        kind = "an async generator function"
+    elif inspect.isgeneratorfunction(main):
+        kind = "a generator function (it contains yield)"
+    else:
+        return
+    name = getattr(main, "__qualname__", "main")
+    raise MainNotRunError(f"{'main' if name == 'main' else f'main ({name})'} is {kind}: calling it would not run "
+                          "it, as timely neither awaits nor iterates main(worker); make it a plain function")
+
+
+def check_result(result: Any) -> None:
+    """Raise :class:`MainNotRunError` (closing ``result`` first) if ``result``, what
+    ``main(worker)`` returned, is a coroutine or a generator, whose body never ran (see
+    :func:`check_main`)."""
+    if inspect.iscoroutine(result):
+        kind = "a coroutine"
+    elif inspect.isasyncgen(result):
+        kind = "an async generator"
+    elif inspect.isgenerator(result):
+        kind = "a generator"
+    else:
+        return
+    close = getattr(result, "close", None)  # (an async generator has none, and needs none)
+    if close is not None:
+        close()  # (no "never awaited" warning)
+    raise MainNotRunError(f"main(worker) returned {kind}, whose code never ran: timely neither awaits nor iterates "
+                    "what main returns; make main a plain function that runs the job")
 
 
 class Worker:
@@ -211,10 +253,14 @@ class Worker:
     def run(self, main: Callable[[Worker], Any]) -> Any:
         """Run ``main(self)`` under the workers' collector settings (:func:`timely.collector.batch_gc`),
         then close the inputs it left open and run the dataflows to completion; return its result.
-        The worker is closed afterwards, also on failure."""
+        The worker is closed afterwards, also on failure. A ``main`` that is a coroutine or
+        generator function, or that returns a coroutine or generator, raises
+        :class:`MainNotRunError`, a :class:`TypeError` (:func:`check_main`, :func:`check_result`)."""
         try:
+            check_main(main)
             with batch_gc():
                 result = main(self)
+                check_result(result)
                 self.finish()
                 if self.checkpoint is not None:
                     self.checkpoint.flush()

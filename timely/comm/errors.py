@@ -16,6 +16,8 @@ __all__ = ["AddressInUse", "ChannelMismatch", "CommError", "FramingError", "Hand
 class CommError(TimelyError, RuntimeError):
     """A fatal communication failure: the job cannot continue."""
 
+    blames_operator = False  # (met by an operator's send, it is not that operator's failure)
+
 
 class PeerLost(CommError):
     """A peer worker failed, was killed, or became unreachable. ``peer`` is its index."""
@@ -44,6 +46,8 @@ class FramingError(CommError):
 class MessageTooLarge(CommError):
     """A pushed message whose encoding (``size`` bytes) exceeds the ``limit`` of the allocator's
     ``max_message_bytes``; nothing was sent, so the caller may split it and push the parts."""
+
+    blames_operator = True  # (the operator's records were too large)
 
     def __init__(self, size: int, limit: int, message: str) -> None:
         super().__init__(message)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any, Protocol
 
-from ..errors import OperatorError
+from ..errors import OperatorError, TimelyError
 from ..progress.frontier import Frontier, MutableAntichain
 from ..progress.reachability import Location, Target
 from ..progress.timestamp import Summary
@@ -118,7 +118,12 @@ class OperatorCore:
         self.ctx.activations.activate(self.index)
 
     def schedule(self) -> None:
-        """Run the logic once and flush its outputs; user exceptions become :class:`OperatorError`."""
+        """Run the logic once and flush its outputs; user exceptions become :class:`OperatorError`.
+
+        An engine error whose ``blames_operator`` is False (a communication failure: a send waiting
+        for room learned that a peer was lost) is not the operator's and passes through unwrapped,
+        so that the worker's failure is seen as a consequence of the peer's; a refused oversized
+        message (``MessageTooLarge``) is the operator's, and wrapped."""
         if self.logic is None:
             return
         started = perf_counter()
@@ -128,6 +133,10 @@ class OperatorCore:
                 handle.flush()
         except OperatorError:
             raise
+        except TimelyError as e:
+            if not e.blames_operator:
+                raise
+            raise OperatorError(self.name, self.ctx.index, e) from e
         except Exception as e:
             raise OperatorError(self.name, self.ctx.index, e) from e
         finally:
