@@ -281,3 +281,19 @@ def test_a_missing_part_is_refused_naming_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=name):
         p.restore()
     again.close()
+
+
+def test_a_failed_local_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A write that fails part way (a full disk at fsync) raises naming the file and removes its
+    temporary file, which nothing else would (the collector removes temporary parts, not these)."""
+    import errno
+
+    store = Store(str(tmp_path), JOB)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(CheckpointError, match="cannot write checkpoint file .*x.json"):
+        store._write_atomic(str(tmp_path / "x.json"), b"{}")
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]

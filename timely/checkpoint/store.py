@@ -35,6 +35,7 @@ epochs above the newest manifest (a checkpoint in progress).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -151,11 +152,16 @@ class Store:
         try:
             if self._local:
                 tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)
+                except OSError:
+                    with contextlib.suppress(OSError):  # (a full disk: nothing else removes it)
+                        os.unlink(tmp)
+                    raise
                 fd = os.open(os.path.dirname(path), os.O_RDONLY)
                 try:
                     os.fsync(fd)  # the rename itself is durable
