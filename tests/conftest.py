@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import signal
 import subprocess
 import sys
@@ -118,3 +119,20 @@ def property_on_workers(single: int = 20, multi: int = 4, **strategies):
         return workers_param(run_property)
 
     return decorate
+
+
+@pytest.fixture
+def launched():
+    """Launcher processes a test starts (append each ``subprocess.Popen``, started in a session
+    of its own): after the test, those still running are killed with their process group; then
+    every child (orphaned workers included) is killed and reaped, and the test fails if any was
+    left."""
+    from procs import no_leftover_children
+
+    with no_leftover_children():
+        started: list[subprocess.Popen] = []
+        yield started
+        for proc in started:  # launchers the test could not finish with
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)

@@ -1,6 +1,6 @@
 """``python -m timely.launch`` and ``timely.cluster.execute_cluster`` end to end.
 
-Every test bounds its run time, starts at most 4 worker processes at once, and the ``no_leftovers``
+Every test bounds its run time, starts at most 4 worker processes at once, and the ``launched``
 fixture (this process becomes the reaper of orphans) kills and reaps anything left behind, then
 asserts that nothing was.
 """
@@ -16,7 +16,6 @@ import textwrap
 import time
 
 import pytest
-from procs import no_leftover_children
 
 import timely
 from timely.cluster import WorkerError, WorkerOperatorError, execute_cluster
@@ -24,18 +23,6 @@ from timely.comm.endpoints import free_loopback_ports
 from timely.errors import OperatorError, TimelyError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def no_leftovers():
-    """After the test, kill and reap every child (orphaned workers included) and fail if any."""
-    with no_leftover_children():
-        started: list[subprocess.Popen] = []
-        yield started
-        for proc in started:  # launchers the test could not finish with
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
 
 
 def _job(tmp_path, name: str, source: str) -> str:
@@ -88,9 +75,9 @@ def _results(stdout: str) -> list[str]:
 
 # -- python -m timely.launch --------------------------------------------------------------------------
 @pytest.mark.timeout(60)
-def test_job_runs_on_two_workers(tmp_path, no_leftovers):
+def test_job_runs_on_two_workers(tmp_path, launched):
     job = _job(tmp_path, "job.py", EXCHANGE_JOB)
-    run = _launch(no_leftovers, "-w", "2", job, "40", "--flag")
+    run = _launch(launched, "-w", "2", job, "40", "--flag")
     assert run.returncode == 0, run.stderr
     lines = _results(run.stdout)
     assert [line.split()[1] for line in lines] == ["0/2", "1/2"]
@@ -122,9 +109,9 @@ def free_port_block(offsets: tuple[int, ...]) -> int:
 
 
 @pytest.mark.timeout(60)
-def test_two_hosts_on_loopback_match_one_host(tmp_path, no_leftovers):
+def test_two_hosts_on_loopback_match_one_host(tmp_path, launched):
     job = _job(tmp_path, "job.py", EXCHANGE_JOB)
-    one = _launch(no_leftovers, "-w", "4", job, "50")
+    one = _launch(launched, "-w", "4", job, "50")
     assert one.returncode == 0, one.stderr
     base = free_port_block((0, 1, 10, 11))  # two workers on each host, from base and base + 10
     hostfile = tmp_path / "hosts"
@@ -134,7 +121,7 @@ def test_two_hosts_on_loopback_match_one_host(tmp_path, no_leftovers):
         proc = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", "--hostfile", str(hostfile),
                                  "--host-index", str(host), job, "50"], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
-        no_leftovers.append(proc)
+        launched.append(proc)
         procs.append(proc)
     outputs = [p.communicate(timeout=40) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outputs]
@@ -144,7 +131,7 @@ def test_two_hosts_on_loopback_match_one_host(tmp_path, no_leftovers):
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_that_raises_stops_the_job(tmp_path, no_leftovers):
+def test_a_worker_that_raises_stops_the_job(tmp_path, launched):
     job = _job(tmp_path, "boom.py", """
         def main(worker):
             if worker.index == 1:
@@ -152,7 +139,7 @@ def test_a_worker_that_raises_stops_the_job(tmp_path, no_leftovers):
             worker.step_while(lambda: True)
     """)
     start = time.monotonic()
-    run = _launch(no_leftovers, "-w", "2", job)
+    run = _launch(launched, "-w", "2", job)
     assert run.returncode == 1
     assert "worker 1 failed" in run.stderr
     assert "boom.py\", line 4, in main" in run.stderr and "ValueError: bad thing on purpose" in run.stderr
@@ -160,7 +147,7 @@ def test_a_worker_that_raises_stops_the_job(tmp_path, no_leftovers):
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_killed_by_a_signal_is_reported(tmp_path, no_leftovers):
+def test_a_worker_killed_by_a_signal_is_reported(tmp_path, launched):
     job = _job(tmp_path, "kill.py", """
         import os, signal
 
@@ -170,47 +157,47 @@ def test_a_worker_killed_by_a_signal_is_reported(tmp_path, no_leftovers):
             worker.step_while(lambda: True)
     """)
     start = time.monotonic()
-    run = _launch(no_leftovers, "-w", "2", job)
+    run = _launch(launched, "-w", "2", job)
     assert run.returncode == 1
     assert "worker 1 was killed by signal SIGKILL" in run.stderr
     assert time.monotonic() - start < 15
 
 
 @pytest.mark.timeout(30)
-def test_syntax_error_starts_no_worker(tmp_path, no_leftovers):
+def test_syntax_error_starts_no_worker(tmp_path, launched):
     job = _job(tmp_path, "syn.py", """
         def main(worker):
             return (1,
     """)
-    run = _launch(no_leftovers, "-w", "2", job)
+    run = _launch(launched, "-w", "2", job)
     assert run.returncode == 2
     assert f"{job}:3" in run.stderr and "SyntaxError" in run.stderr
 
 
 @pytest.mark.timeout(30)
-def test_job_without_main(tmp_path, no_leftovers):
+def test_job_without_main(tmp_path, launched):
     job = _job(tmp_path, "nomain.py", """
         def mian(worker):
             pass
     """)
-    run = _launch(no_leftovers, "-w", "2", job)
+    run = _launch(launched, "-w", "2", job)
     assert run.returncode == 2
     assert "nomain.py" in run.stderr and "no main(worker)" in run.stderr
-    missing = _launch(no_leftovers, "-w", "2", str(tmp_path / "absent.py"))
+    missing = _launch(launched, "-w", "2", str(tmp_path / "absent.py"))
     assert missing.returncode == 2 and "absent.py" in missing.stderr
 
 
 @pytest.mark.timeout(30)
-def test_a_timeout_that_is_not_positive_is_a_usage_error(tmp_path, no_leftovers):
+def test_a_timeout_that_is_not_positive_is_a_usage_error(tmp_path, launched):
     job = _job(tmp_path, "job.py", EXCHANGE_JOB)
-    run = _launch(no_leftovers, "-w", "2", "--timeout", "0", job, "10")
+    run = _launch(launched, "-w", "2", "--timeout", "0", job, "10")
     assert run.returncode == 2 and "--timeout must be a positive number of seconds, not 0" in run.stderr
-    run = _launch(no_leftovers, "-w", "2", "--heartbeat-timeout", "-1", job, "10")
+    run = _launch(launched, "-w", "2", "--heartbeat-timeout", "-1", job, "10")
     assert run.returncode == 2 and "--heartbeat-timeout must be a positive number of seconds, not -1" in run.stderr
 
 
 @pytest.mark.timeout(60)
-def test_ports_and_timeouts_out_of_range_are_usage_errors(tmp_path, no_leftovers):
+def test_ports_and_timeouts_out_of_range_are_usage_errors(tmp_path, launched):
     job = _job(tmp_path, "job.py", EXCHANGE_JOB)
     hostfile = tmp_path / "hosts"
     hostfile.write_text("127.0.0.1:65535\n")
@@ -224,17 +211,17 @@ def test_ports_and_timeouts_out_of_range_are_usage_errors(tmp_path, no_leftovers
         (["--startup-timeout", "nan"], "--startup-timeout must be a positive number of seconds, not nan"),
         (["--heartbeat-timeout", "inf"], "--heartbeat-timeout must be a positive number of seconds, not inf"),
     ]:
-        run = _launch(no_leftovers, "-w", "2", *argv, job, "10")
+        run = _launch(launched, "-w", "2", *argv, job, "10")
         assert run.returncode == 2 and message in run.stderr, (argv, run.stderr)
 
 
 @pytest.mark.timeout(60)
-def test_two_jobs_at_once_on_one_host(tmp_path, no_leftovers):
+def test_two_jobs_at_once_on_one_host(tmp_path, launched):
     job = _job(tmp_path, "job.py", EXCHANGE_JOB)
     procs = [subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job, str(n)], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
              for n in (30, 60)]
-    no_leftovers.extend(procs)
+    launched.extend(procs)
     outputs = [p.communicate(timeout=40) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outputs]
     for (out, _), n in zip(outputs, (30, 60)):
@@ -242,14 +229,14 @@ def test_two_jobs_at_once_on_one_host(tmp_path, no_leftovers):
 
 
 @pytest.mark.timeout(60)
-def test_port_in_use_is_a_clear_error(tmp_path, no_leftovers):
+def test_port_in_use_is_a_clear_error(tmp_path, launched):
     job = _job(tmp_path, "job.py", EXCHANGE_JOB)
     (port,) = free_loopback_ports(1)
     holder = socket.socket()
     holder.bind(("127.0.0.1", port))
     holder.listen()
     try:
-        run = _launch(no_leftovers, "-w", "2", "--transport", "tcp", "--port", str(port), job, "10")
+        run = _launch(launched, "-w", "2", "--transport", "tcp", "--port", str(port), job, "10")
     finally:
         holder.close()
     assert run.returncode == 1
@@ -258,11 +245,11 @@ def test_port_in_use_is_a_clear_error(tmp_path, no_leftovers):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_interrupt_stops_every_worker(tmp_path, no_leftovers, sig, status):
+def test_interrupt_stops_every_worker(tmp_path, launched, sig, status):
     job = _job(tmp_path, "forever.py", FOREVER_JOB)
     proc = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    no_leftovers.append(proc)
+    launched.append(proc)
     seen = b""
     deadline = time.monotonic() + 20
     while seen.count(b"ready") < 2 and time.monotonic() < deadline:
@@ -296,26 +283,26 @@ def _sum_job(worker):
 
 
 @pytest.mark.timeout(60)
-def test_execute_cluster_returns_results_by_index(no_leftovers):
+def test_execute_cluster_returns_results_by_index(launched):
     results = execute_cluster(_sum_job, 3, ["x"])
     assert [r[:3] for r in results] == [(0, 3, ["x"]), (1, 3, ["x"]), (2, 3, ["x"])]
     assert sum(r[3] for r in results) == sum(range(300)) and sum(r[4] for r in results) == 300
 
 
 @pytest.mark.timeout(60)
-def test_execute_cluster_over_tcp(no_leftovers):
+def test_execute_cluster_over_tcp(launched):
     results = execute_cluster(_sum_job, 2, transport="tcp")
     assert sum(r[4] for r in results) == 200
 
 
 @pytest.mark.timeout(60)
-def test_timely_execute_uses_the_cluster(no_leftovers):
+def test_timely_execute_uses_the_cluster(launched):
     results = timely.execute(_sum_job, workers=2)
     assert [r[0] for r in results] == [0, 1] and sum(r[4] for r in results) == 200
 
 
 @pytest.mark.timeout(60)
-def test_execute_cluster_reports_the_failing_worker(no_leftovers):
+def test_execute_cluster_reports_the_failing_worker(launched):
     def main(worker):
         if worker.index == 2:
             raise KeyError("missing on purpose")
@@ -340,7 +327,7 @@ class _JobError(Exception):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("unpicklable", [False, True])
-def test_execute_cluster_reports_the_failing_operator(no_leftovers, unpicklable):
+def test_execute_cluster_reports_the_failing_operator(launched, unpicklable):
     def fail(record):
         if record == 7:
             raise _JobError("bad record", record) if unpicklable else KeyError(record)
@@ -367,7 +354,7 @@ def test_execute_cluster_reports_the_failing_operator(no_leftovers, unpicklable)
 
 
 @pytest.mark.timeout(60)
-def test_execute_cluster_reports_a_killed_worker(no_leftovers):
+def test_execute_cluster_reports_a_killed_worker(launched):
     def main(worker):
         if worker.index == 0:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -381,7 +368,7 @@ def test_execute_cluster_reports_a_killed_worker(no_leftovers):
 
 
 @pytest.mark.timeout(60)
-def test_execute_cluster_unpicklable_result(no_leftovers):
+def test_execute_cluster_unpicklable_result(launched):
     # Only worker 0's result cannot be pickled (were both, either could be the first to report).
     with pytest.raises(WorkerError, match="worker 0 failed: .*pickle"):
         execute_cluster(lambda worker: (lambda: None) if worker.index == 0 else None, 2)
@@ -389,15 +376,15 @@ def test_execute_cluster_unpicklable_result(no_leftovers):
 
 # -- hardening (issue 13, item 7) -------------------------------------------------------------------
 @pytest.mark.timeout(60)
-def test_main_that_is_not_a_function_is_a_usage_error(tmp_path, no_leftovers):
+def test_main_that_is_not_a_function_is_a_usage_error(tmp_path, launched):
     job = _job(tmp_path, "fortytwo.py", "main = 42\n")
-    run = _launch(no_leftovers, "-w", "2", job)
+    run = _launch(launched, "-w", "2", job)
     assert run.returncode == 2, run.stderr
     assert "main is int 42, not a function" in run.stderr
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_terminated_from_outside_is_the_reported_failure(tmp_path, no_leftovers):
+def test_a_worker_terminated_from_outside_is_the_reported_failure(tmp_path, launched):
     job = _job(tmp_path, "term.py", """
         import os, signal, time
 
@@ -407,14 +394,14 @@ def test_a_worker_terminated_from_outside_is_the_reported_failure(tmp_path, no_l
                 os.kill(os.getpid(), signal.SIGTERM)
             worker.step_while(lambda: True)
     """)
-    run = _launch(no_leftovers, "-w", "2", job)
+    run = _launch(launched, "-w", "2", job)
     assert run.returncode == 1
     first = run.stderr.splitlines()[0]
     assert "worker 1 was killed by signal SIGTERM" in first, run.stderr
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_stopped_while_reporting_its_failure_exits_quietly(no_leftovers):
+def test_a_worker_stopped_while_reporting_its_failure_exits_quietly(launched):
     # The supervisor, having chosen which failure to report, SIGTERMs a worker that is still
     # sending the report of its own (secondary) failure: CI once saw a traceback on stderr here.
     script = textwrap.dedent("""
@@ -435,18 +422,18 @@ def test_a_worker_stopped_while_reporting_its_failure_exits_quietly(no_leftovers
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-    no_leftovers.append(proc)
+    launched.append(proc)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 1 and err == "", err
 
 
 @pytest.mark.timeout(60)
-def test_hangup_stops_every_worker_and_removes_the_socket_folder(tmp_path, no_leftovers):
+def test_hangup_stops_every_worker_and_removes_the_socket_folder(tmp_path, launched):
     job = _job(tmp_path, "forever.py", FOREVER_JOB)
     proc = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             env={**os.environ, "TMPDIR": str(tmp_path)})
-    no_leftovers.append(proc)
+    launched.append(proc)
     seen = b""
     deadline = time.monotonic() + 20
     while seen.count(b"ready") < 2 and time.monotonic() < deadline:
@@ -464,7 +451,7 @@ def test_hangup_stops_every_worker_and_removes_the_socket_folder(tmp_path, no_le
 
 
 @pytest.mark.timeout(60)
-def test_output_into_a_closed_pipe_ends_quietly(tmp_path, no_leftovers):
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, launched):
     job = _job(tmp_path, "chatty.py", """
         def main(worker):
             with worker.dataflow() as scope:
@@ -478,7 +465,7 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path, no_leftovers):
     """)
     launcher = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    no_leftovers.append(launcher)
+    launched.append(launcher)
     head = subprocess.run(["head", "-n", "3"], stdin=launcher.stdout, capture_output=True, timeout=30)
     launcher.stdout.close()  # the launcher's workers write into a pipe nobody reads any more
     _, err = launcher.communicate(timeout=30)
@@ -488,7 +475,7 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path, no_leftovers):
 
 
 @pytest.mark.timeout(60)
-def test_an_operator_traceback_is_printed_once(tmp_path, no_leftovers):
+def test_an_operator_traceback_is_printed_once(tmp_path, launched):
     job = _job(tmp_path, "divide.py", """
         def main(worker):
             with worker.dataflow() as scope:
@@ -497,7 +484,7 @@ def test_an_operator_traceback_is_printed_once(tmp_path, no_leftovers):
             inp.send(1)
             worker.finish()
     """)
-    run = _launch(no_leftovers, "-w", "2", job)
+    run = _launch(launched, "-w", "2", job)
     assert run.returncode == 1
     assert run.stderr.count("ZeroDivisionError: division by zero") == 1, run.stderr
     assert run.stderr.count("1 / 0") == 1 and "operator 'Divide' failed" in run.stderr
@@ -520,7 +507,7 @@ def _half_a_report_then_stop(index: int, report) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_stopped_halfway_through_its_result_does_not_stop_the_supervisor(no_leftovers):
+def test_a_worker_stopped_halfway_through_its_result_does_not_stop_the_supervisor(launched):
     """The supervisor reads reports without blocking: with a worker stopped halfway through a
     large result, its stopped-worker check (and its timeout) still run."""
     from timely.cluster import supervise
@@ -533,7 +520,7 @@ def test_a_worker_stopped_halfway_through_its_result_does_not_stop_the_superviso
 
 
 @pytest.mark.timeout(60)
-def test_a_second_interrupt_during_the_grace_kills_and_reaps_every_worker(tmp_path, no_leftovers):
+def test_a_second_interrupt_during_the_grace_kills_and_reaps_every_worker(tmp_path, launched):
     """Ctrl-C, then Ctrl-C again while execute waits for workers busy in C code to stop: execute
     raises KeyboardInterrupt with every worker killed and reaped, in a process that goes on (a
     REPL's, a notebook's)."""
@@ -572,13 +559,13 @@ def test_a_second_interrupt_during_the_grace_kills_and_reaps_every_worker(tmp_pa
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    no_leftovers.append(proc)
+    launched.append(proc)
     out, err = proc.communicate(timeout=40)
     assert "ALIVE []" in out, (out, err)
 
 
 @pytest.mark.timeout(60)
-def test_sighup_ignored_by_nohup_stays_ignored_and_a_worker_hung_up_is_reported_as_such(tmp_path, no_leftovers):
+def test_sighup_ignored_by_nohup_stays_ignored_and_a_worker_hung_up_is_reported_as_such(tmp_path, launched):
     job = _job(tmp_path, "job.py", """
         import os, signal, sys, time
 
@@ -595,7 +582,7 @@ def test_sighup_ignored_by_nohup_stays_ignored_and_a_worker_hung_up_is_reported_
             [sys.executable, "-m", "timely.launch", "-w", "2", job], cwd=ROOT, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, start_new_session=True,
             preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignore_hup else None)
-        no_leftovers.append(proc)
+        launched.append(proc)
         assert proc.stdout is not None
         pids = [int(proc.stdout.readline().split()[2]) for _ in range(2)]
         return proc, pids

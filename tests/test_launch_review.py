@@ -3,7 +3,7 @@ worker blamed for a failure, mains that never run, job-file errors, restarts aft
 pipe, ``--autobalance`` after an option's value, torn output lines, and the job's own forked
 processes.
 
-Every multi-process test bounds its run time, and the ``no_leftovers`` fixture kills and reaps
+Every multi-process test bounds its run time, and the ``launched`` fixture kills and reaps
 anything left behind, then asserts that nothing was.
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ import sys
 import textwrap
 
 import pytest
-from procs import no_leftover_children
 
 import timely
 from timely.cluster import Outcome, WorkerError, WorkerOperatorError, execute_cluster
@@ -28,22 +27,7 @@ from timely.recovery import retryable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture
-def no_leftovers():
-    """After the test, kill and reap every child (orphaned workers included) and fail if any."""
-    with no_leftover_children():
-        started: list[subprocess.Popen] = []
-        yield started
-        for proc in started:  # launchers the test could not finish with
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-
-
-def _job(tmp_path, name: str, source: str) -> str:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(source))
-    return str(path)
+from test_launch import _job  # noqa: E402  (the launcher tests' job writer)
 
 
 def _launch(started, *argv: str, timeout: float = 60.0, env: dict[str, str] | None = None,
@@ -85,7 +69,7 @@ def _blame_main(worker):
 
 
 @pytest.mark.timeout(90)
-def test_a_worker_that_lost_a_peer_inside_an_operator_is_not_blamed(no_leftovers):
+def test_a_worker_that_lost_a_peer_inside_an_operator_is_not_blamed(launched):
     with pytest.raises(WorkerOperatorError) as info:
         execute_cluster(_blame_main, 2, timeout=60)
     assert info.value.index == 1 and info.value.operator.startswith("Boom"), str(info.value)
@@ -94,9 +78,9 @@ def test_a_worker_that_lost_a_peer_inside_an_operator_is_not_blamed(no_leftovers
 
 
 @pytest.mark.timeout(90)
-def test_the_launcher_prints_the_traceback_of_the_real_failure(tmp_path, no_leftovers):
+def test_the_launcher_prints_the_traceback_of_the_real_failure(tmp_path, launched):
     job = _job(tmp_path, "blame.py", BLAME_JOB)
-    run = _launch(no_leftovers, "-w", "2", "--timeout", "60", job)
+    run = _launch(launched, "-w", "2", "--timeout", "60", job)
     assert run.returncode == 1, run.stderr
     first = run.stderr.splitlines()[0]
     assert first == "timely.launch: worker 1 failed:", run.stderr
@@ -124,10 +108,10 @@ NOT_RUN_JOBS = {
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", sorted(NOT_RUN_JOBS))
-def test_the_launcher_refuses_a_main_that_would_not_run(tmp_path, no_leftovers, kind):
+def test_the_launcher_refuses_a_main_that_would_not_run(tmp_path, launched, kind):
     source, message = NOT_RUN_JOBS[kind]
     job = _job(tmp_path, "job.py", source)
-    run = _launch(no_leftovers, "-w", "2", job)
+    run = _launch(launched, "-w", "2", job)
     assert run.returncode == 2, run.stderr
     assert "JobFileError" in run.stderr and message in run.stderr, run.stderr
     assert "RAN" not in run.stdout
@@ -149,13 +133,13 @@ def _returns_a_generator(worker):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("main", [_async_main, _generator_main])
-def test_execute_refuses_an_async_or_generator_main(no_leftovers, workers, main):
+def test_execute_refuses_an_async_or_generator_main(launched, workers, main):
     with pytest.raises(TypeError, match="neither awaits nor iterates"):
         timely.execute(main, workers=workers)
 
 
 @pytest.mark.timeout(60)
-def test_execute_refuses_a_main_that_returns_a_generator(no_leftovers):
+def test_execute_refuses_a_main_that_returns_a_generator(launched):
     with pytest.raises(TypeError, match="returned a generator"):
         timely.execute(_returns_a_generator)
     with pytest.raises(WorkerError, match="returned a generator"):
@@ -164,7 +148,7 @@ def test_execute_refuses_a_main_that_returns_a_generator(no_leftovers):
 
 # -- 3. a job file that cannot run is a usage error, however fast each worker imports it ------------
 @pytest.mark.timeout(60)
-def test_main_not_a_function_is_a_usage_error_when_the_others_still_import(tmp_path, no_leftovers):
+def test_main_not_a_function_is_a_usage_error_when_the_others_still_import(tmp_path, launched):
     marker = tmp_path / "first"
     job = _job(tmp_path, "slow.py", f"""
         import os, time
@@ -175,7 +159,7 @@ def test_main_not_a_function_is_a_usage_error_when_the_others_still_import(tmp_p
             time.sleep(10)  # the others: heavy imports, stopped before they end
         main = None
     """)
-    run = _launch(no_leftovers, "-w", "3", job)
+    run = _launch(launched, "-w", "3", job)
     assert "was stopped" in run.stderr, run.stderr
     assert run.returncode == 2, run.stderr
     assert "main is NoneType None, not a function" in run.stderr
@@ -199,7 +183,7 @@ def test_a_worker_killed_by_sigpipe_is_not_retryable():
 
 
 @pytest.mark.timeout(90)
-def test_output_into_a_closed_pipe_is_not_restarted(tmp_path, no_leftovers):
+def test_output_into_a_closed_pipe_is_not_restarted(tmp_path, launched):
     job = _job(tmp_path, "loud.py", """
         def main(worker):
             for i in range(200000):
@@ -208,7 +192,7 @@ def test_output_into_a_closed_pipe_is_not_restarted(tmp_path, no_leftovers):
     launcher = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", "--checkpoint",
                                  str(tmp_path / "ck"), "--restarts", "3", job], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    no_leftovers.append(launcher)
+    launched.append(launcher)
     head = subprocess.run(["head", "-n", "1"], stdin=launcher.stdout, capture_output=True, timeout=60)
     launcher.stdout.close()
     _, err = launcher.communicate(timeout=60)
@@ -236,9 +220,9 @@ def test_a_bare_autobalance_after_options_with_values(argv, expected):
 
 
 @pytest.mark.timeout(60)
-def test_the_launcher_runs_with_workers_then_a_bare_autobalance(tmp_path, no_leftovers):
+def test_the_launcher_runs_with_workers_then_a_bare_autobalance(tmp_path, launched):
     job = _job(tmp_path, "job.py", "def main(worker):\n    print('ran', worker.index, worker.args)\n")
-    run = _launch(no_leftovers, "-w", "2", "--autobalance", job, "x=1")
+    run = _launch(launched, "-w", "2", "--autobalance", job, "x=1")
     assert run.returncode == 0, run.stderr
     assert sorted(run.stdout.split("\n")[:2]) == ["ran 0 ['x=1']", "ran 1 ['x=1']"]
 
@@ -254,17 +238,17 @@ LOUD_JOB = """
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("unbuffered", [False, True])
 @pytest.mark.parametrize("into", ["file", "pipe"])
-def test_workers_lines_are_not_torn(tmp_path, no_leftovers, unbuffered, into):
+def test_workers_lines_are_not_torn(tmp_path, launched, unbuffered, into):
     job = _job(tmp_path, "loud.py", LOUD_JOB)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     if unbuffered:
         env["PYTHONUNBUFFERED"] = "1"
     if into == "file":
         with open(tmp_path / "out.txt", "w") as out:
-            run = _launch(no_leftovers, "-w", "2", job, env=env, stdout=out)
+            run = _launch(launched, "-w", "2", job, env=env, stdout=out)
         text = (tmp_path / "out.txt").read_text()
     else:
-        run = _launch(no_leftovers, "-w", "2", job, env=env)
+        run = _launch(launched, "-w", "2", job, env=env)
         text = run.stdout
     assert run.returncode == 0, run.stderr
     lines = text.splitlines()
@@ -282,5 +266,5 @@ def _forks_a_child(worker):
 
 
 @pytest.mark.timeout(60)
-def test_a_process_forked_by_the_job_has_the_default_sigterm(no_leftovers):
+def test_a_process_forked_by_the_job_has_the_default_sigterm(launched):
     assert execute_cluster(_forks_a_child, 2, timeout=30) == [0, 0]
