@@ -30,18 +30,26 @@ class MainNotRunError(TimelyError, TypeError):
     """``main`` is (or returned) a coroutine or a generator: calling it did not run the job."""
 
 
+#: What a ``main`` may be whose call runs none of its body, and what such a call returns.
+_NOT_RUN_FUNCTIONS = ((inspect.iscoroutinefunction, "an async function (async def)"),
+                      (inspect.isasyncgenfunction, "an async generator function"),
+                      (inspect.isgeneratorfunction, "a generator function (it contains yield)"))
+_NOT_RUN_RESULTS = ((inspect.iscoroutine, "a coroutine"), (inspect.isasyncgen, "an async generator"),
+                    (inspect.isgenerator, "a generator"))
+
+
+def _not_run(obj: Any, kinds: tuple[tuple[Callable[[Any], bool], str], ...]) -> str | None:
+    """The first of ``kinds`` whose test ``obj`` passes, or None."""
+    return next((kind for test, kind in kinds if test(obj)), None)
+
+
 def check_main(main: Callable[..., Any]) -> None:
     """Raise :class:`MainNotRunError` (a :class:`TypeError`) if ``main`` is a function whose call
     would not run its body: an ``async def`` (a coroutine function), an async generator or a
     generator function (one that contains ``yield``). Timely calls ``main(worker)`` and takes what it returns as the result;
     such a call only creates a coroutine or generator, and the job would end without running."""
-    if inspect.iscoroutinefunction(main):
-        kind = "an async function (async def)"
-    elif inspect.isasyncgenfunction(main):
-        kind = "an async generator function"
-    elif inspect.isgeneratorfunction(main):
-        kind = "a generator function (it contains yield)"
-    else:
+    kind = _not_run(main, _NOT_RUN_FUNCTIONS)
+    if kind is None:
         return
     name = getattr(main, "__qualname__", "main")
     raise MainNotRunError(f"{'main' if name == 'main' else f'main ({name})'} is {kind}: calling it would not run "
@@ -52,13 +60,8 @@ def check_result(result: Any) -> None:
     """Raise :class:`MainNotRunError` (closing ``result`` first) if ``result``, what
     ``main(worker)`` returned, is a coroutine or a generator, whose body never ran (see
     :func:`check_main`)."""
-    if inspect.iscoroutine(result):
-        kind = "a coroutine"
-    elif inspect.isasyncgen(result):
-        kind = "an async generator"
-    elif inspect.isgenerator(result):
-        kind = "a generator"
-    else:
+    kind = _not_run(result, _NOT_RUN_RESULTS)
+    if kind is None:
         return
     close = getattr(result, "close", None)  # (an async generator has none, and needs none)
     if close is not None:
