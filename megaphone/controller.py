@@ -303,14 +303,20 @@ class Controller:
             # copy ahead at a time, requested just before it is needed: the deltas stay small;
             # copying every step's bins at once made the hand-overs ship what changed meanwhile).
             # Not a bin the current step still moves: its new owner may not have installed it.
-            ev = self._ahead = queue.popleft()
-            self.control.precopy(ev.moves)
+            ev = queue.popleft()
+            try:
+                self.control.precopy(ev.moves)
+            except BaseException:
+                queue.appendleft(ev)  # refused (a conflicting request at this time): the step stays queued
+                raise
+            self._ahead = ev
             ev.copy_time, ev.copy_at, ev._copy_mono = self.control.time, _time.time(), _time.monotonic()
             self._notify(ev, "copying")
             did = True
         if self._in_flight is not None:
             return did  # the previous step (or the backlog behind it) is not done yet
         ev = self._ahead
+        ahead = ev is not None
         if ev is not None:
             assert self.copied is not None
             if self.copied.less_equal(ev.copy_time):
@@ -321,7 +327,16 @@ class Controller:
             ev = queue.popleft()
         else:
             return did
-        self._issue(ev)
+        try:
+            self._issue(ev)
+        except BaseException:
+            # Refused (a move of the same bin to another worker sent by hand at this control time):
+            # the step is not lost; the next tick issues it again, at a later time.
+            if ahead:
+                self._ahead = ev
+            else:
+                queue.appendleft(ev)
+            raise
         return True
 
     def _issue(self, ev: StepEvent) -> None:

@@ -309,3 +309,61 @@ def test_two_workers_random_plans(epochs, seed, strategy):
     assert observed_count([o for r in results for o in r["outputs"]]) == sequential_count(epochs)
     assert all(list(norm(r["table"])) == target for r in results)
     assert sorted(b for r in results for b in r["owned"]) == list(range(1 << k))
+
+
+@pytest.mark.timeout(30)
+def test_a_step_the_control_input_refuses_is_issued_again_at_the_next_tick():
+    """The control input refuses a step at a time where a conflicting move was sent by hand; the
+    error reaches the caller, and the step stays queued (it was taken off the queue first, and
+    its event stayed 'queued' for ever)."""
+
+    class Refusing(FakeControl):
+        refuse = True
+
+        def moves(self, assignment):
+            if self.refuse:
+                self.refuse = False
+                raise TableError(f"bin 0 is moved to two workers at time {self.time}")
+            super().moves(assignment)
+
+    control, probe = Refusing(), FakeProbe()
+    ctl = Controller(control, probe)
+    ctl.start([{0: 1}, {3: 2}])
+    control.time = 5
+    with pytest.raises(TableError, match="two workers"):
+        ctl.tick()
+    assert control.sent == [] and ctl.busy and ctl.in_flight is None
+    control.time = 6
+    assert ctl.tick() and control.sent == [(6, {0: 1})]
+    probe.frontier = 7
+    control.time = 8
+    assert ctl.tick() and control.sent[-1] == (8, {3: 2})
+    probe.frontier = None
+    assert not ctl.tick() and not ctl.busy
+    assert [e.state for e in ctl.events] == ["completed", "completed"]
+
+
+@pytest.mark.timeout(30)
+def test_a_copy_request_the_control_input_refuses_leaves_the_step_queued():
+    class Refusing(FakeControl):
+        refuse = True
+        copies: list = []
+
+        def precopy(self, assignment):
+            if self.refuse:
+                self.refuse = False
+                raise TableError(f"bin 0 is copied to two workers at time {self.time}")
+            self.copies.append((self.time, dict(assignment)))
+
+    control, probe, copied = Refusing(), FakeProbe(), FakeProbe()
+    ctl = Controller(control, probe, copied=copied)
+    ctl.start([{0: 1}], precopy=True)
+    control.time = 5
+    with pytest.raises(TableError, match="copied to two workers"):
+        ctl.tick()
+    assert control.copies == [] and ctl.busy
+    control.time = 6
+    assert ctl.tick() and control.copies == [(6, {0: 1})]  # copied again, not lost
+    copied.frontier = 7  # the copy is staged
+    control.time = 7
+    assert ctl.tick() and control.sent == [(7, {0: 1})]
