@@ -67,7 +67,7 @@ def check_result(result: Any) -> None:
     if close is not None:
         close()  # (no "never awaited" warning)
     raise MainNotRunError(f"main(worker) returned {kind}, whose code never ran: timely neither awaits nor iterates "
-                    "what main returns; make main a plain function that runs the job")
+                          "what main returns; make main a plain function that runs the job")
 
 
 class Worker:

@@ -71,6 +71,11 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint_every must be at least 1 epoch, not {self.every}")
 
 
+def _participants(manifest: Manifest) -> set[str]:
+    """The names of the participants whose state ``manifest`` records (on any worker)."""
+    return set().union(*(set(v) - {_OWN} for v in manifest.meta.values() if isinstance(v, dict)))
+
+
 class Participant:
     """One registered piece of checkpointed state of one worker (see :meth:`Checkpointer.register`)."""
 
@@ -203,7 +208,7 @@ class Checkpointer:
                 "first checkpoint epoch passes (before stepping the ones built earlier that far)")
         m = self.manifest
         if m is not None:
-            known = set().union(*(set(v) - {_OWN} for v in m.meta.values() if isinstance(v, dict)))
+            known = _participants(m)
             if name not in known:
                 raise CheckpointError(f"checkpoint {m.path} belongs to another job: it has no participant '{name}' "
                                       f"(it has {sorted(known)}); use another checkpoint directory")
@@ -237,8 +242,7 @@ class Checkpointer:
         m = self.manifest
         if m is None:
             return
-        known = set().union(*(set(v) - {_OWN} for v in m.meta.values() if isinstance(v, dict)))
-        missing = sorted(known - set(self._participants))
+        missing = sorted(_participants(m) - set(self._participants))
         if missing:
             raise CheckpointError(f"checkpoint {m.path} belongs to another job: it has participants {missing}, which "
                                   f"this job does not register (it registers {sorted(self._participants)}); use another "

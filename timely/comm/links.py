@@ -294,7 +294,7 @@ class Links:
             # frames (header, payload) but for DATA_BUFFERS, whose further frames its branch reads.
             # A greeted peer that sends otherwise (corruption, another build) is failed, naming it:
             # reading on would take the next message's frames for this one's.
-            head = recv(NOBLOCK) if more() else b""
+            head = recv(NOBLOCK)  # (a frame always follows the routing id: no message is empty)
             payload = recv(NOBLOCK) if more() else None
             if len(head) != HEADER.size or payload is None:
                 self._malformed(peer, "a message without its header and payload frames")
