@@ -12,13 +12,13 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from timely import routing
 from timely.cluster import WorkerError, execute_cluster
 from timely.comm.framing import decode, encode, encode_gathered, encode_items
-from timely.dataflow.channels import BUFFER_RECORDS, BroadcastChannel, DistributeChannel, ExchangeChannel
+from timely.dataflow.channels import BUFFER_RECORDS, EAGER_RECORDS, BroadcastChannel, DistributeChannel, ExchangeChannel
 
 records = st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=5), st.binary(max_size=5),
                     st.tuples(st.integers(0, 10**6), st.text(max_size=3)))
@@ -123,11 +123,53 @@ def test_a_batch_larger_than_a_message_is_sent_in_pieces_under_the_limit():
 
 
 def test_a_record_larger_than_a_message_is_an_error_naming_operator_and_record():
-    channel, _, _, _ = make_channel(DistributeChannel, 2, max_bytes=8 << 10,
-                                    partitioner=lambda t, b, peers: [[], list(b)])
-    with pytest.raises(ValueError, match=r"operator 'Sink#7': record \('huge', 'yyyy.*at time 3 is .* bytes encoded, "
-                                         r"more than one message may carry \(max_message_bytes\)"):
-        channel.push(3, [("huge", "y" * 20_000)])
+    # A large part is encoded at the push, a small one when its message is sent: both name it.
+    big = [("huge", "y" * 20_000)] + [("small", i) for i in range(EAGER_RECORDS - 1)]
+    for batch, when in ((big, "push"), (big[:1], "flush")):
+        channel, _, _, pending = make_channel(DistributeChannel, 2, max_bytes=8 << 10,
+                                              partitioner=lambda t, b, peers: [[], list(b)])
+        with pytest.raises(ValueError, match=r"operator 'Sink#7': record \('huge', 'yyyy.*at time 3 is .* bytes "
+                                             r"encoded, more than one message may carry \(max_message_bytes\)"):
+            channel.push(3, batch)
+            assert when == "flush"
+            flush(pending)
+
+
+def test_an_unserialisable_record_in_a_small_part_is_an_error_naming_it_when_its_message_is_sent():
+    channel, _, _, pending = make_channel(DistributeChannel, 2, partitioner=lambda t, b, peers: [[], list(b)])
+    channel.push(4, [(1, 2), (1, {2})])  # fewer than EAGER_RECORDS: gathered unencoded
+    with pytest.raises(TypeError, match=r"operator 'Sink#7': record \(1, \{2\}\) at time 4 cannot be sent to another "
+                                        r"worker: records must be msgpack-serialisable"):
+        flush(pending)
+
+
+@settings(max_examples=60, deadline=None)
+@given(peers=st.integers(2, 5), limit=st.sampled_from([1024, 4096, None]),
+       steps=st.lists(st.one_of(st.tuples(st.integers(0, 3), st.integers(0, 3 * EAGER_RECORDS)), st.none()),
+                      max_size=25))
+def test_an_exchange_delivers_every_record_once_at_its_time_in_messages_under_the_limit(peers, limit, steps):
+    """Random pushes (small parts gathered unencoded, large ones encoded at once), times and
+    flushes (None), against the sequential routing of the same records."""
+    channel, pushers, delivered, pending = make_channel(ExchangeChannel, peers, max_bytes=limit, key=0)
+    expected: Counter = Counter()
+    serial = 0
+    for step in steps:
+        if step is None:
+            flush(pending)
+            continue
+        t, n = step
+        batch = [(serial + i, "v" * (i % 7)) for i in range(n)]
+        serial += n
+        channel.push(t, batch)
+        expected.update((routing.hash64(r[0]) % peers, t, r) for r in batch)
+    flush(pending)
+    assert not pending
+    got: Counter = Counter((0, t, r) for t, recs in delivered for r in recs)
+    for w, pusher in enumerate(pushers[1:], start=1):
+        for t, items, size in pusher.messages:
+            assert items and (limit is None or size <= limit)
+            got.update((w, t, r) for r in items)
+    assert got == expected
 
 
 def test_an_unserialisable_record_is_an_error_naming_operator_and_record():
@@ -161,6 +203,14 @@ def test_a_job_with_a_small_message_limit_moves_every_record_exactly_once():
         assert all(routing.hash64(r[1]) % 2 == w for _, r in res)
 
 
+@pytest.mark.timeout(60)
+def test_a_job_with_the_smallest_message_limit_still_exchanges_records():
+    # max_message_bytes may be as small as 1 KiB: the records' share of a message must stay positive.
+    results = execute_cluster(_exchange_job, 2, ["20"], max_message_bytes=1024)
+    got = Counter(x for res in results for x in res)
+    assert got == Counter((t, ("x" * 200, i, w)) for t in range(2) for i in range(20) for w in range(2))
+
+
 def _huge_record_job(worker):
     other = next(k for k in range(100) if routing.hash64(k) % 2 != worker.index)  # a key of the other worker
     with worker.dataflow() as scope:
@@ -175,3 +225,20 @@ def _huge_record_job(worker):
 def test_a_job_refuses_a_record_over_the_message_limit_by_name():
     with pytest.raises(WorkerError, match="more than one message may carry"):
         execute_cluster(_huge_record_job, 2, max_message_bytes=32 << 10)
+
+
+def _unserialisable_record_job(worker):
+    other = next(k for k in range(100) if routing.hash64(k) % 2 != worker.index)
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        inp.stream.map(lambda r: (r, {r}), name="Setter").exchange(0).probe()
+    inp.send(other)  # one record: gathered unencoded, encoded when the dataflow sends its messages
+    inp.close()
+    worker.finish()
+
+
+@pytest.mark.timeout(60)
+def test_a_job_blames_the_operator_that_produced_an_unserialisable_record():
+    with pytest.raises(WorkerError, match=r"operator 'Setter' failed: .*record \(\d+, \{\d+\}\) at time 0 cannot be "
+                                          r"sent to another worker"):
+        execute_cluster(_unserialisable_record_job, 2)

@@ -255,7 +255,8 @@ def simulate(seed: int, peers: int, epochs: int, loop: bool, fault: str | None =
     def check() -> None:
         nonlocal fed
         for _head, updates in net.oracle_feed[fed:]:
-            oracle.update_batch(((timely.progress.Location(n, p, s), t), d) for n, p, s, t, d in updates)
+            locations = built[0][2].locations  # updates name a location by its index in this table
+            oracle.update_batch(((locations[i], t), d) for i, t, d in updates)
         fed = len(net.oracle_feed)
         oracle.propagate_all()
         for w, (_, _, df) in enumerate(built):

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..dataflow.channels import Channel, Pact, PipelineChannel
+from ..dataflow.channels import Channel, Pact, PipelineChannel, body_limit
 from ..errors import raise_with_context
 from . import codec, kernels
 
@@ -136,8 +136,7 @@ class ColumnChannel(Channel):
         self.op_name = target.op.name
         self.partitioner = partitioner
         self.pushers, _ = df.allocate_channel(target, _Decoder)
-        limit = self.pushers[(self.index + 1) % self.peers].max_bytes
-        self._max_body = max(1, limit - _SLACK) if limit is not None else float("inf")
+        self._max_body = body_limit(self.pushers[(self.index + 1) % self.peers].max_bytes, _SLACK)
         self._gather = min(GATHER_BYTES, self._max_body)
         self._pending: list[Channel] = df.ctx.pending
         self._parts: list[list | None] = [None] * df.peers  # per worker: the parts gathered for it

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .secret import Guard, JobSecret
 
 _DATA, _DATA_BUFFERS, _GOODBYE, _ABORT = int(Kind.DATA), int(Kind.DATA_BUFFERS), int(Kind.GOODBYE), int(Kind.ABORT)
+_RCVMORE = int(zmq.RCVMORE)
 _BUNDLE = int(Kind.BUNDLE)
 
 #: Seconds between checks of the connection monitors on the non-blocking ``receive`` path.
@@ -273,10 +274,7 @@ class Links:
         unpack = HEADER.unpack
         budget = self._tuning.receive_bytes
         limit = self._unread_limit
-        router = self._router
-
-        def more() -> bool:
-            return bool(router.get(zmq.RCVMORE))
+        more = self._router.get  # more(_RCVMORE): another frame of this message follows
 
         for _ in range(self._tuning.receive_batch):
             # Backpressure: what stays in ZeroMQ fills its queues, and then the sender's backlog.
@@ -295,7 +293,7 @@ class Links:
             # A greeted peer that sends otherwise (corruption, another build) is failed, naming it:
             # reading on would take the next message's frames for this one's.
             head = recv(NOBLOCK)  # (a frame always follows the routing id: no message is empty)
-            payload = recv(NOBLOCK) if more() else None
+            payload = recv(NOBLOCK) if more(_RCVMORE) else None
             if len(head) != HEADER.size or payload is None:
                 self._malformed(peer, "a message without its header and payload frames")
             budget -= len(payload)
@@ -303,7 +301,7 @@ class Links:
             if version != VERSION:
                 self._malformed(peer, f"protocol version {version}, expected {VERSION}")
             if kind == _DATA or kind == _BUNDLE:
-                if more():
+                if more(_RCVMORE):
                     self._malformed(peer, "a DATA message of more than two frames")
                 if seq != peer.recv_seq:
                     self._out_of_order(peer, seq)

@@ -114,7 +114,10 @@ def halved(encode: Callable[[list], Any], items: list, max_body: float) -> list[
 
 
 class Channel:
-    """The sending end of one edge on one worker."""
+    """The sending end of one edge on one worker; ``producer`` names the operator whose output
+    feeds it (set when the edge is connected), to blame for a record that fails to send later."""
+
+    producer: str = ""
 
     def push(self, time: Any, batch: Sequence) -> int:
         """Send ``batch`` at ``time``; return the number of records all receivers will consume."""
@@ -128,10 +131,11 @@ class Channel:
 class PipelineChannel(Channel):
     """Appends straight to the target input's queue on this worker."""
 
-    __slots__ = ("target",)
+    __slots__ = ("target", "producer")
 
     def __init__(self, target: Any) -> None:
         self.target = target
+        self.producer = ""
 
     def push(self, time: Any, batch: Sequence) -> int:
         """Deliver ``batch`` to the target input on this worker; return its length."""
@@ -144,16 +148,31 @@ class PipelineChannel(Channel):
 #: small whatever the number of peers: a batch exchanged among 16 workers is cut into 16 small
 #: parts, which are gathered here with the parts of the next batches of the same time.
 BUFFER_RECORDS = 4096
+#: A part of at least this many records is encoded when it is cut, while its records are still in
+#: the CPU's cache (for large parts a third of the cost of encoding them later, where the records
+#: of one destination lie scattered in memory). A smaller part is gathered as it is and encoded
+#: with the other small parts for the same worker when the message is sent: among many peers a
+#: batch is cut into many small parts, and one encoding per part would cost more than its records.
+EAGER_RECORDS = 128
 #: Bytes a message may take beyond its records' encodings (its time, array headers).
 SLACK = 4096
 
 
+def body_limit(limit: int | None, slack: int = SLACK) -> float:
+    """The bytes the encoded records of one message may take under a message size ``limit``
+    (``None``: unlimited): all but ``slack`` for the message's time and headers, or all but a
+    quarter of a limit smaller than four times ``slack`` (a limit of 1 KiB still carries records)."""
+    return float("inf") if limit is None else limit - min(slack, limit // 4)
+
+
 class _RemoteChannel(Channel):
     """A channel whose records may go to other workers: the local share is delivered at once; the
-    records for each other worker are encoded at once (while still in the CPU's cache) and
-    gathered per time, and sent when the gathered records reach :data:`BUFFER_RECORDS` or the
-    allocator's message size limit, when records of another time arrive for that worker, or when
-    the dataflow flushes the channel with its progress (see ``Context.pending``)."""
+    records for each other worker are gathered per time (a large part encoded at once, small
+    parts as they are: :data:`EAGER_RECORDS`), and sent when the gathered records reach
+    :data:`BUFFER_RECORDS` or the allocator's message size limit, when records of another time
+    arrive for that worker, or when the dataflow flushes the channel with its progress (see
+    ``Context.pending``). A record that cannot be encoded raises when its part is encoded: at the
+    push for a large part, when its message is sent for a small one."""
 
     def __init__(self, df: Any, target: Any) -> None:
         self.target = target
@@ -163,13 +182,16 @@ class _RemoteChannel(Channel):
         self.pushers, puller = df.allocate_channel(target)
         remote = self.pushers[(self.index + 1) % self.peers]
         self._encode = remote.encode_items
-        limit = remote.max_bytes
-        self._max_body = max(1, limit - SLACK) if limit is not None else float("inf")
+        self._max_body = body_limit(remote.max_bytes)
         self._pending: list[Channel] = df.ctx.pending
-        self._bodies: list[list | None] = [None] * df.peers  # per worker: encoded pieces gathered for it
-        self._counts = [0] * df.peers  # per worker: records in those pieces
-        self._sizes = [0] * df.peers  # per worker: their bytes
-        self._times: list[Any] = [None] * df.peers  # per worker: the time of the gathered records
+        # Per worker, what is gathered for it (all at ``_times[worker]``): encoded pieces in
+        # ``_bodies`` (a list while anything is gathered, else None) and unencoded records in
+        # ``_raw``; ``_counts`` counts the records of both, ``_sizes`` the bytes of the pieces.
+        self._bodies: list[list | None] = [None] * df.peers
+        self._raw: list[list] = [[] for _ in range(df.peers)]
+        self._counts = [0] * df.peers
+        self._sizes = [0] * df.peers
+        self._times: list[Any] = [None] * df.peers
         self._flagged = False  # listed in ``_pending``
 
     def _encoded(self, time: Any, part: list) -> list[tuple[int, Any]]:
@@ -190,28 +212,44 @@ class _RemoteChannel(Channel):
                     f"encoded, more than one message may carry (max_message_bytes)")
         return pieces
 
+    def _gathering(self, worker: int, time: Any) -> list:
+        """The pieces gathered for ``worker`` at ``time`` (what was gathered at another time is sent first)."""
+        bodies = self._bodies[worker]
+        if bodies is not None:
+            if self._times[worker] == time:
+                return bodies
+            self._ship(worker)
+        bodies = self._bodies[worker] = []
+        self._times[worker] = time
+        if not self._flagged:
+            self._flagged = True
+            self._pending.append(self)
+        return bodies
+
+    def _gather(self, worker: int, time: Any, part: list) -> None:
+        """Gather the records of ``part`` at ``time`` for ``worker`` (not this one)."""
+        if len(part) >= EAGER_RECORDS:
+            self._send(worker, time, self._encoded(time, part))
+            return
+        self._gathering(worker, time)
+        self._raw[worker] += part
+        self._counts[worker] += len(part)
+        if self._counts[worker] >= BUFFER_RECORDS:
+            self._ship(worker)
+
     def _send(self, worker: int, time: Any, pieces: list[tuple[int, Any]]) -> None:
         """Gather encoded ``pieces`` of records at ``time`` for ``worker`` (not this one)."""
-        bodies = self._bodies[worker]
-        if bodies is not None and self._times[worker] != time:
-            self._ship(worker)
-            bodies = None
+        bodies = self._gathering(worker, time)
         for count, body in pieces:
-            if bodies is not None and self._sizes[worker] + len(body) > self._max_body:
+            if bodies and self._sizes[worker] + len(body) > self._max_body:
                 self._ship(worker)
-                bodies = None
-            if bodies is None:
-                bodies = self._bodies[worker] = []
-                self._times[worker] = time
-                if not self._flagged:
-                    self._flagged = True
-                    self._pending.append(self)
+                bodies = self._gathering(worker, time)
             bodies.append(body)
             self._counts[worker] += count
             self._sizes[worker] += len(body)
             if self._counts[worker] >= BUFFER_RECORDS:
                 self._ship(worker)
-                bodies = None
+                bodies = self._gathering(worker, time)
 
     def flush(self) -> None:
         """Send every gathered record."""
@@ -221,10 +259,26 @@ class _RemoteChannel(Channel):
                 self._ship(worker)
 
     def _ship(self, worker: int) -> None:
-        bodies, count = self._bodies[worker], self._counts[worker]
+        """Send what is gathered for ``worker``: its pieces, then its unencoded records encoded (as
+        one more message where they do not fit the pieces' message)."""
+        bodies, raw, time = self._bodies[worker], self._raw[worker], self._times[worker]
+        assert bodies is not None
+        count, size = self._counts[worker], self._sizes[worker]
         self._bodies[worker] = None
         self._counts[worker] = self._sizes[worker] = 0
-        self.pushers[worker].push_items(self._times[worker], bodies, count)
+        push = self.pushers[worker].push_items
+        if raw:
+            self._raw[worker] = []
+            count -= len(raw)
+            for n, body in self._encoded(time, raw):
+                if bodies and size + len(body) > self._max_body:
+                    push(time, bodies, count)
+                    bodies, count, size = [], 0, 0
+                bodies.append(body)
+                count += n
+                size += len(body)
+        if bodies:
+            push(time, bodies, count)
 
 
 class ExchangeChannel(_RemoteChannel):
@@ -242,13 +296,18 @@ class ExchangeChannel(_RemoteChannel):
             record = routing.unroutable(batch, self.key)
             raise_with_context(e, f"operator '{self.op_name}': exchange key failed for record {record!r:.200} "
                                   f"at time {time!r}")
-        index = self.index
+        index, bodies, times, raw, counts = self.index, self._bodies, self._times, self._raw, self._counts
         for w, part in enumerate(parts):
             if part:
                 if w == index:
                     self.target.deliver(time, part)  # the local share skips the allocator
+                elif len(part) < EAGER_RECORDS and bodies[w] is not None and times[w] == time:
+                    raw[w] += part  # _gather's common case, inline: among many peers most parts are small
+                    counts[w] += len(part)
+                    if counts[w] >= BUFFER_RECORDS:
+                        self._ship(w)
                 else:
-                    self._send(w, time, self._encoded(time, part))
+                    self._gather(w, time, part)
         return len(batch)
 
 
@@ -286,5 +345,5 @@ class DistributeChannel(_RemoteChannel):
                 if w == self.index:
                     self.target.deliver(time, part)
                 else:
-                    self._send(w, time, self._encoded(time, part))
+                    self._gather(w, time, part)
         return len(batch)

@@ -10,10 +10,10 @@ import hashlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import BuildError, ProgressMismatchError, ProgressOrderError
+from ..errors import BuildError, OperatorError, ProgressMismatchError, ProgressOrderError, TimelyError
 from ..progress.reachability import Builder, Location, Source, Target, Tracker
 from ..progress.timestamp import minimum
-from .channels import SLACK, Pact, halved
+from .channels import Pact, body_limit, halved
 from .context import Context
 from .fuzz import Fuzzer
 from .operator import InputPort, OperatorCore
@@ -108,6 +108,7 @@ class Dataflow:
                 f"{src.levels} (use enter()/leave())"
             )
         channel = pact.channel(self, port)
+        channel.producer = src.op.name
         target = Target(port.op.index, port.port)
         src.channels.append((channel, target))
         self.edges.append((Source(stream.node, stream.port), target, repr(pact)))
@@ -134,6 +135,11 @@ class Dataflow:
         for src, tgt, _ in self.edges:
             builder.add_edge(src, tgt)
         self.tracker = tracker = builder.build()
+        # Progress updates name a location by its index here (every worker builds the same
+        # dataflow, which the digest checks before any update is read): an int on the wire and a
+        # list lookup at the receiver, instead of three fields and a new Location per update.
+        self.locations: tuple[Location, ...] = tuple(sorted(tracker.pointstamps))
+        self._location_ids = {loc: i for i, loc in enumerate(self.locations)}
         shape = repr(
             [(op.name, len(op.inputs), len(op.outputs)) for op in self.operators] + [(s, t, p) for s, t, p in self.edges]
         )
@@ -224,8 +230,8 @@ class Dataflow:
                     self._flush_channels()
                     if not self.progress.is_empty() or self._forward:
                         did = True
-                        self._send_progress([(loc.node, loc.port, loc.source, t, d)
-                                             for (loc, t), d in self.progress.drain()])
+                        ids = self._location_ids
+                        self._send_progress([(ids[loc], t, d) for (loc, t), d in self.progress.drain()])
                 finally:
                     alloc.uncork()
         return did
@@ -274,8 +280,7 @@ class Dataflow:
             if worker != self.index:
                 if pieces is None:  # within one message each; every batch stays whole, in order
                     limit = pusher.max_bytes
-                    pieces = halved(pusher.encode_items, batches,
-                                    float("inf") if limit is None else max(1, limit - SLACK))
+                    pieces = halved(pusher.encode_items, batches, body_limit(limit))
                 for count, body in pieces:
                     pusher.push_items(None, [body], count)
 
@@ -283,7 +288,13 @@ class Dataflow:
         """Send the records channels gathered."""
         pending = self.ctx.pending
         while pending:
-            pending.pop().flush()
+            channel = pending.pop()
+            try:
+                channel.flush()
+            except (TypeError, ValueError) as e:  # a small part's record, encoded only now, cannot be sent
+                if isinstance(e, TimelyError):
+                    raise
+                raise OperatorError(channel.producer, self.index, e) from e
 
     def _receive_progress(self) -> bool:
         """Apply every progress message received (our own included); True if there was any."""
@@ -307,7 +318,8 @@ class Dataflow:
                     f"{sender}, expected {self._received[sender]} (lost, duplicated or reordered)"
                 )
             self._received[sender] = seq + 1
-            tracker.update_batch(((Location(n, p, s), t), d) for n, p, s, t, d in updates)
+            locations = self.locations
+            tracker.update_batch(((locations[i], t), d) for i, t, d in updates)
         return bool(messages)
 
     def _relayed(self, messages: list) -> list:
