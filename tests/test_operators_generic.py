@@ -213,3 +213,43 @@ def test_binary_notify(workers, epochs):
     home = hash_worker(0, workers)
     assert timed(results[home]) == expected
     assert all(not res for w, res in enumerate(results) if w != home)
+
+
+def _batch_sizes(sends):
+    """The ``(time, batch length)`` pairs a unary operator's logic sees when ``sends`` (``(time,
+    records)`` pairs, in order) are all queued before it runs."""
+    import timely
+
+    def main(worker):
+        seen = []
+
+        def recorder(cap, info):
+            cap.drop()
+
+            def logic(inp, out):
+                for c, batch in inp:
+                    seen.append((c.time, len(batch)))
+                    out.give_batch(c, batch)
+            return logic
+
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            probe = inp.stream.unary(recorder, name="Recorder").probe()
+        for t, records in sends:
+            if t > inp.time:
+                inp.advance_to(t)
+            inp.send_batch(records)
+        inp.close()
+        worker.step_while(lambda: not probe.done(), timeout=30)
+        return seen
+
+    return timely.execute(main)[0]
+
+
+def test_small_batches_of_one_time_reach_the_logic_joined_and_large_ones_as_they_are():
+    from timely.dataflow.handles import MERGE_RECORDS
+
+    big = MERGE_RECORDS
+    sends = [(0, [1] * 8), (0, [2] * 8), (0, [3] * 8), (0, [4] * big), (0, [5] * 8), (1, [6] * 8), (1, [7] * 3)]
+    # Joined while each is under MERGE_RECORDS and the time is the same; a large batch is not copied.
+    assert _batch_sizes(sends) == [(0, 24), (0, big), (0, 8), (1, 11)]
