@@ -261,6 +261,25 @@ def test_rescale_two_three_one_through_checkpoints(tmp_path):
     assert output(out) == expected(epochs)
 
 
+def test_a_manifest_cut_short_is_passed_over_and_the_job_resumes_from_the_one_before(tmp_path, capfd):
+    """On a store without atomic writes a crash can leave the newest manifest half written: the
+    next run resumes from the newest intact checkpoint, and its output is still exactly once."""
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    epochs = 30
+    with no_leftover_children():
+        with pytest.raises(timely.WorkerError, match="worker 0 was killed by signal SIGTERM"):
+            timely.execute(lambda w: job(w, out, epochs, 0.03, stop=(ck, 12)), workers=2, timeout=30,
+                           checkpoint=ck, checkpoint_every=2)
+        manifests = sorted((tmp_path / "ck" / "manifests").glob("*.json"))
+        assert len(manifests) == 2, manifests
+        newest = manifests[-1]
+        newest.write_bytes(newest.read_bytes()[:100])
+        assert Store(ck, JOB).latest().path.endswith(manifests[0].name)
+        timely.execute(lambda w: job(w, out, epochs, 0.0), workers=2, checkpoint=ck, checkpoint_every=2)
+    assert output(out) == expected(epochs)
+    assert f"{newest.name} is corrupt" in capfd.readouterr().err
+
+
 def other_job(worker, out: str):
     with worker.dataflow() as scope:
         s = checkpoint.source(scope, "input", reader(4))

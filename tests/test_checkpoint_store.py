@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from timely.checkpoint.store import CheckpointError, Store
+from timely.checkpoint.store import CheckpointError, DamagedManifest, Store
 
 KEYS = [f"bin/{i}" for i in range(6)]
 
@@ -262,3 +262,47 @@ def test_a_commit_that_ends_before_it_is_marked_busy_leaves_commits_going(tmp_pa
     finally:
         del ck._queue.put_nowait
         ck.close()
+
+
+def _cut_short(path) -> None:
+    """``path`` as a write that a crash cut short leaves it on a store without atomic writes."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_a_damaged_newest_manifest_is_passed_over_and_the_next_run_commits_past_it(tmp_path, capfd) -> None:
+    first = Store(str(tmp_path), "job", keep=3)
+    for epoch, value in ((2, b"2"), (4, b"4"), (6, b"6")):
+        first.write_part(epoch, 0, {"S": {"a": value, f"k{epoch}": value}})
+        commit_ready(first, 1)
+    _cut_short(tmp_path / "manifests" / f"{6:020d}.json")
+    again = Store(str(tmp_path), "job", keep=3, run="second")
+    assert again.latest().epoch == 4 and again.latest().epoch == 4
+    err = capfd.readouterr().err
+    assert err.count(f"{6:020d}.json is corrupt") == 1 and "passed over for an older checkpoint" in err
+    # The next run resumes at 4 and commits its own epoch 5, below the damaged one: the parts
+    # since the intact manifest are applied (not skipped as covered by the damaged one), and the
+    # damaged file is removed as garbage by the store that writes manifests.
+    assert again.committable(1) is None
+    again.write_part(5, 0, {"S": {"a": b"five"}})
+    manifest = commit_ready(again, 1)
+    assert manifest.epoch == 5
+    assert again.read(manifest, "S") == {"a": b"five", "k2": b"2", "k4": b"4"}
+    assert sorted(os.listdir(tmp_path / "manifests")) == [f"{e:020d}.json" for e in (2, 4, 5)]
+    assert Store(str(tmp_path), "job").latest().epoch == 5
+    assert "passed over" not in capfd.readouterr().err
+
+
+def test_a_run_rewrites_the_epoch_of_a_damaged_manifest_and_none_intact_is_an_error(tmp_path) -> None:
+    first = Store(str(tmp_path), "job")
+    for epoch in (1, 2):
+        first.write_part(epoch, 0, {"S": {"a": str(epoch).encode()}})
+        commit_ready(first, 1)
+    _cut_short(tmp_path / "manifests" / f"{2:020d}.json")
+    again = Store(str(tmp_path), "job", run="second")
+    again.write_part(2, 0, {"S": {"a": b"two"}})
+    assert again.read(commit_ready(again, 1), "S") == {"a": b"two"}  # written over the damaged file
+    _cut_short(tmp_path / "manifests" / f"{1:020d}.json")
+    _cut_short(tmp_path / "manifests" / f"{2:020d}.json")
+    with pytest.raises(DamagedManifest, match=rf"{2:020d}.json is corrupt"):  # the newest one's error
+        Store(str(tmp_path), "job").latest()

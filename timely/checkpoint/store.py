@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import struct
+import sys
 import time
 import uuid
 import zlib
@@ -64,6 +65,11 @@ Blob = bytes | bytearray | memoryview | Callable[[], bytes]
 class CheckpointError(TimelyError, RuntimeError):
     """A checkpoint cannot be written or used: corrupt or missing file, another job's checkpoint,
     storage failure. The message names the file."""
+
+
+class DamagedManifest(CheckpointError):
+    """A manifest file that is not a whole manifest: its write was cut short (on a store without
+    atomic writes, by a crash) or its bytes changed since. :meth:`Store.latest` passes it over."""
 
 
 class Manifest:
@@ -105,17 +111,17 @@ def _decode(raw: bytes, path: str) -> dict:
     """The body of a manifest file (references resolved to file names), checked against its digest."""
     head, sep, data = raw.partition(b"\n")
     if not head.startswith(MANIFEST_MAGIC) or not sep:
-        raise CheckpointError(f"checkpoint manifest {path} is not a manifest of format {FORMAT} "
+        raise DamagedManifest(f"checkpoint manifest {path} is not a manifest of format {FORMAT} "
                               f"(an older version's checkpoint, or corrupt)")
     if hashlib.sha256(data).hexdigest().encode() != head[len(MANIFEST_MAGIC):]:
-        raise CheckpointError(f"checkpoint manifest {path} is corrupt (checksum mismatch)")
+        raise DamagedManifest(f"checkpoint manifest {path} is corrupt (checksum mismatch)")
     try:
         body = json.loads(data)
         files = body.pop("files")
         body["states"] = {state: {key: [files[ref[0]], *ref[1:]] for key, ref in refs.items()}
                           for state, refs in body["states"].items()}
     except (ValueError, KeyError, TypeError, IndexError) as e:
-        raise CheckpointError(f"checkpoint manifest {path} is unreadable or corrupt: {e}") from e
+        raise DamagedManifest(f"checkpoint manifest {path} is unreadable or corrupt: {e}") from e
     return body
 
 
@@ -142,6 +148,7 @@ class Store:
             raise CheckpointError(f"checkpoint storage {url!r} cannot be used: {e}") from e
         self._local = isinstance(self.fs, LocalFileSystem)
         self._known: dict[str, Manifest] = {}  # manifests read or written, by path (the kept ones)
+        self._warned: set[str] = set()  # damaged manifests already named on stderr
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -241,8 +248,8 @@ class Store:
                 return None
             open_ = [r for r, final in reached.values() if not final]
             epoch = min(open_) if open_ else max(r for r, _ in reached.values())
-            previous = self._manifest_paths()
-            done = previous[-1][0] if previous else -1
+            newest = self.latest()
+            done = newest.epoch if newest is not None else -1
             if epoch <= max(done, 0):
                 return None
             # (markers of epochs the newest manifest covers are left over from a clean-up that
@@ -323,9 +330,25 @@ class Store:
         return manifest
 
     def latest(self) -> Manifest | None:
-        """The newest complete checkpoint, or ``None`` when there is none."""
-        paths = self._manifest_paths()
-        return self.load(paths[-1][1]) if paths else None
+        """The newest complete checkpoint, or ``None`` when there is none.
+
+        A newer manifest file that is damaged (:class:`DamagedManifest`: on a store without atomic
+        writes, a crash can cut a manifest's write short) is passed over, with one line on stderr
+        naming it, for the newest intact one: what it would have committed is committed again
+        from the parts. When none is intact, the newest one's error is raised (starting from
+        nothing would read every input again)."""
+        damaged: DamagedManifest | None = None
+        for _, path in reversed(self._manifest_paths()):
+            try:
+                return self.load(path)
+            except DamagedManifest as e:
+                damaged = damaged or e
+                if path not in self._warned:
+                    self._warned.add(path)
+                    print(f"timely.checkpoint: {e}: passed over for an older checkpoint", file=sys.stderr)
+        if damaged is not None:
+            raise damaged
+        return None
 
     def read(self, manifest: Manifest, state: str, keys: Iterable[str] | None = None) -> dict[str, bytes]:
         """The blobs of ``state`` in ``manifest`` (only ``keys`` when given; absent keys are
@@ -354,14 +377,25 @@ class Store:
 
     # -- garbage collection --------------------------------------------------------------------
     def _collect(self, newest: Manifest) -> None:
-        """Delete manifests beyond the newest ``keep``, the parts no kept manifest needs (of epochs
-        up to ``newest``'s), the pending markers of those epochs and other runs' reached markers."""
-        paths = self._manifest_paths()
-        kept = [self.load(p) if p != newest.path else newest for _, p in paths[-self.keep:]]
+        """Delete manifests beyond the newest ``keep`` and damaged ones, the parts no kept manifest
+        needs (of epochs up to ``newest``'s), the pending markers of those epochs and other runs'
+        reached markers."""
+        kept: list[Manifest] = []
+        dropped: list[str] = []  # beyond the newest `keep`, or damaged (this store is the only writer)
+        for _, p in reversed(self._manifest_paths()):
+            try:
+                manifest = newest if p == newest.path else self.load(p)
+            except DamagedManifest:
+                dropped.append(p)
+                continue
+            if len(kept) < self.keep:
+                kept.append(manifest)
+            else:
+                dropped.append(p)
         self._known = {m.path: m for m in kept}
         needed = set().union(*(m.files() for m in kept))
         try:
-            for _, p in paths[:-self.keep]:
+            for p in dropped:
                 self.fs.rm_file(p)
             for sub in ("parts", "pending"):
                 for n in self.fs.ls(self._path(sub), detail=False):
