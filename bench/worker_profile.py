@@ -39,12 +39,15 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _between_cpu_calls(module_name: str, job: str, path: str, worker: timely.Worker) -> Any:
-    """Run ``module.job(worker)``, on worker 0 profiled between its first and second call of
-    ``module._cpu`` (the measured phase of the closed-loop jobs)."""
+    """Run ``module.job(worker)``, profiled between its first and second call of ``module._cpu``
+    (the measured phase of the closed-loop jobs): worker 0 only, or every worker where ``path``
+    holds ``{index}`` (each to its own file)."""
     module: Any = sys.modules[module_name]
     inner = getattr(module, job)
-    if worker.index != 0:
+    every = "{index}" in path
+    if worker.index != 0 and not every:
         return inner(worker)
+    path = path.format(index=worker.index)
     prof, real, calls = cProfile.Profile(time.process_time), module._cpu, [0]
 
     def hooked() -> float:
@@ -156,6 +159,27 @@ def _report_threads(sampler: Sampler) -> None:
               f"max {max(shares):.2f}, sum {sum(shares):.2f}")
 
 
+def _report_every(paths: list[str], top: int) -> tuple[float, float, float]:
+    """Print every worker's profiles together, per worker; return the profiled CPU per worker,
+    the dataflow steps per worker and the microseconds per ``dict.get`` call (a fixed piece of
+    work: what it costs shows how much slower the same code runs, as on a machine with fewer
+    cores than workers, where processes evict each other's caches)."""
+    st = pstats.Stats(*paths)
+    n = len(paths)
+    total = st.total_tt  # type: ignore[attr-defined]
+    stats = st.stats  # type: ignore[attr-defined]
+    steps = sum(v[1] for (f, _, fn), v in stats.items() if fn == "step" and f.endswith("dataflow/dataflow.py"))
+    gets = [v for (_, _, fn), v in stats.items() if fn == "<method 'get' of 'dict' objects>"]
+    per_get = 1e6 * gets[0][2] / gets[0][1] if gets and gets[0][1] else float("nan")
+    print(f"  every worker profiled: {total / n:.3f} s CPU per worker, {steps / n:.0f} dataflow steps per worker, "
+          f"{per_get:.2f} us per dict.get call; top {top} by own time, per worker:")
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in rows:
+        where = f"{os.path.basename(file)}:{line}({fn})" if line else fn
+        print(f"    {100 * tt / total:5.1f}% own {tt / n:7.3f} s  cum {ct / n:7.3f} s  calls {nc // n:9d}  {where}")
+    return total / n, steps / n, per_get
+
+
 def _report_profile(path: str, top: int) -> None:
     if not os.path.exists(path):
         print("  profile: worker 0 wrote none")
@@ -186,14 +210,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=20, help="functions listed")
     parser.add_argument("--dir", default="/tmp", help="where the .prof files go")
     parser.add_argument("--progress", choices=["direct", "relay"], default="direct")
+    parser.add_argument("--every-worker", action="store_true",
+                        help="count, q3: profile every worker, not worker 0 alone (a profiled worker is slower, "
+                             "and the others wait for it), and compare the worker counts per worker")
     args = parser.parse_args(argv)
+    if args.every_worker and args.workload == "q3-flex":
+        parser.error("--every-worker profiles the closed-loop workloads (count, q3)")
+    summary = []
     print("command:", shlex.join([os.path.basename(sys.executable), *sys.argv]))
     print(f"os.cpu_count() = {os.cpu_count()}; load average at start {os.getloadavg()[0]:.2f}")
     os.makedirs(args.dir, exist_ok=True)
     for workers in args.workers:
-        path = os.path.join(args.dir, f"{args.workload}-w{workers}.prof")
-        if os.path.exists(path):
-            os.remove(path)
+        path = os.path.join(args.dir, f"{args.workload}-w{workers}" + ("-{index}" if args.every_worker else "") + ".prof")
+        paths = [path.format(index=i) for i in range(workers)] if args.every_worker else [path]
+        for p in paths:
+            if os.path.exists(p):
+                os.remove(p)
         at = args.at if args.at is not None else (args.duration / 2 if args.workload == "q3-flex" else 1.0)
         sampler = Sampler(workers, at, args.window)
         if args.window > 0:
@@ -218,8 +250,17 @@ def main(argv: list[str] | None = None) -> None:
             sampler.join(timeout=0)
         print(f"== {args.workload}, {workers} workers ({time.monotonic() - t0:.1f} s)")
         _report_threads(sampler)
-        _report_profile(path, args.top)
+        if args.every_worker:
+            summary.append((workers, *_report_every(paths, args.top)))
+        else:
+            _report_profile(path, args.top)
         sys.stdout.flush()
+    if len(summary) > 1:
+        base = summary[0]
+        print(f"per worker, against {base[0]} workers: profiled CPU, dataflow steps, us per dict.get call")
+        for workers, cpu, steps, per_get in summary:
+            print(f"  {workers:3d} workers: {cpu:.3f} s ({cpu / base[1]:.2f}x), {steps:.0f} steps "
+                  f"({steps / base[2]:.2f}x), {per_get:.2f} us ({per_get / base[3]:.2f}x)")
 
 
 if __name__ == "__main__":
