@@ -143,6 +143,21 @@ def test_an_unserialisable_record_in_a_small_part_is_an_error_naming_it_when_its
         flush(pending)
 
 
+def test_small_parts_of_large_records_are_encoded_and_sent_before_they_pile_up():
+    # 400 records of ~20 KB, one per batch (a part of one record each): at most EAGER_RECORDS wait
+    # unencoded, and the encoded ones leave in messages under the limit, before any flush.
+    limit = 256 << 10
+    channel, pushers, _, pending = make_channel(DistributeChannel, 2, max_bytes=limit,
+                                                partitioner=lambda t, b, peers: [[], list(b)])
+    for i in range(400):
+        channel.push(0, [(i, "z" * 20_000)])
+    sent = [r for _, items, _ in pushers[1].messages for r in items]
+    assert len(sent) >= 400 - EAGER_RECORDS - limit // 20_000
+    assert all(size <= limit for _, _, size in pushers[1].messages)
+    flush(pending)
+    assert [r[0] for _, items, _ in pushers[1].messages for r in items] == list(range(400))
+
+
 @settings(max_examples=60, deadline=None)
 @given(peers=st.integers(2, 5), limit=st.sampled_from([1024, 4096, None]),
        steps=st.lists(st.one_of(st.tuples(st.integers(0, 3), st.integers(0, 3 * EAGER_RECORDS)), st.none()),

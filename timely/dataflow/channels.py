@@ -151,8 +151,9 @@ BUFFER_RECORDS = 4096
 #: A part of at least this many records is encoded when it is cut, while its records are still in
 #: the CPU's cache (for large parts a third of the cost of encoding them later, where the records
 #: of one destination lie scattered in memory). A smaller part is gathered as it is and encoded
-#: with the other small parts for the same worker when the message is sent: among many peers a
-#: batch is cut into many small parts, and one encoding per part would cost more than its records.
+#: with the other small parts for the same worker once they hold this many records, or when the
+#: message is sent: among many peers a batch is cut into many small parts, and one encoding per
+#: part would cost more than its records.
 EAGER_RECORDS = 128
 #: Bytes a message may take beyond its records' encodings (its time, array headers).
 SLACK = 4096
@@ -172,7 +173,8 @@ class _RemoteChannel(Channel):
     :data:`BUFFER_RECORDS` or the allocator's message size limit, when records of another time
     arrive for that worker, or when the dataflow flushes the channel with its progress (see
     ``Context.pending``). A record that cannot be encoded raises when its part is encoded: at the
-    push for a large part, when its message is sent for a small one."""
+    push for a large part; for a small one, at the push that gathers the :data:`EAGER_RECORDS`-th
+    unencoded record for its worker, or when its message is sent."""
 
     def __init__(self, df: Any, target: Any) -> None:
         self.target = target
@@ -232,10 +234,22 @@ class _RemoteChannel(Channel):
             self._send(worker, time, self._encoded(time, part))
             return
         self._gathering(worker, time)
-        self._raw[worker] += part
+        raw = self._raw[worker]
+        raw += part
         self._counts[worker] += len(part)
-        if self._counts[worker] >= BUFFER_RECORDS:
+        if len(raw) >= EAGER_RECORDS:
+            self._seal(worker, time)
+        elif self._counts[worker] >= BUFFER_RECORDS:
             self._ship(worker)
+
+    def _seal(self, worker: int, time: Any) -> None:
+        """Encode the records gathered unencoded for ``worker`` and gather their pieces: at most
+        :data:`EAGER_RECORDS` records wait unencoded, so the bytes gathered for a worker stay
+        bounded by the message size limit however large the records."""
+        raw = self._raw[worker]
+        self._raw[worker] = []
+        self._counts[worker] -= len(raw)
+        self._send(worker, time, self._encoded(time, raw))
 
     def _send(self, worker: int, time: Any, pieces: list[tuple[int, Any]]) -> None:
         """Gather encoded ``pieces`` of records at ``time`` for ``worker`` (not this one)."""
@@ -302,9 +316,12 @@ class ExchangeChannel(_RemoteChannel):
                 if w == index:
                     self.target.deliver(time, part)  # the local share skips the allocator
                 elif len(part) < EAGER_RECORDS and bodies[w] is not None and times[w] == time:
-                    raw[w] += part  # _gather's common case, inline: among many peers most parts are small
+                    gathered = raw[w]  # _gather's common case, inline: among many peers most parts are small
+                    gathered += part
                     counts[w] += len(part)
-                    if counts[w] >= BUFFER_RECORDS:
+                    if len(gathered) >= EAGER_RECORDS:
+                        self._seal(w, time)
+                    elif counts[w] >= BUFFER_RECORDS:
                         self._ship(w)
                 else:
                     self._gather(w, time, part)
