@@ -277,7 +277,7 @@ def test_a_manifest_cut_short_is_passed_over_and_the_job_resumes_from_the_one_be
         assert Store(ck, JOB).latest().path.endswith(manifests[0].name)
         timely.execute(lambda w: job(w, out, epochs, 0.0), workers=2, checkpoint=ck, checkpoint_every=2)
     assert output(out) == expected(epochs)
-    assert f"{newest.name} is corrupt" in capfd.readouterr().err
+    assert f"{newest.name} is cut short" in capfd.readouterr().err
 
 
 def other_job(worker, out: str):

@@ -279,7 +279,7 @@ def test_a_damaged_newest_manifest_is_passed_over_and_the_next_run_commits_past_
     again = Store(str(tmp_path), "job", keep=3, run="second")
     assert again.latest().epoch == 4 and again.latest().epoch == 4
     err = capfd.readouterr().err
-    assert err.count(f"{6:020d}.json is corrupt") == 1 and "passed over for an older checkpoint" in err
+    assert err.count(f"{6:020d}.json is cut short") == 1 and "passed over for an older checkpoint" in err
     # The next run resumes at 4 and commits its own epoch 5, below the damaged one: the parts
     # since the intact manifest are applied (not skipped as covered by the damaged one), and the
     # damaged file is removed as garbage by the store that writes manifests.
@@ -304,5 +304,38 @@ def test_a_run_rewrites_the_epoch_of_a_damaged_manifest_and_none_intact_is_an_er
     assert again.read(commit_ready(again, 1), "S") == {"a": b"two"}  # written over the damaged file
     _cut_short(tmp_path / "manifests" / f"{1:020d}.json")
     _cut_short(tmp_path / "manifests" / f"{2:020d}.json")
-    with pytest.raises(DamagedManifest, match=rf"{2:020d}.json is corrupt"):  # the newest one's error
+    with pytest.raises(DamagedManifest, match=rf"{2:020d}.json is cut short"):  # the newest one's error
         Store(str(tmp_path), "job").latest()
+
+
+def test_a_whole_manifest_whose_bytes_changed_is_refused_not_passed_over(tmp_path) -> None:
+    # It was complete, so a sink or the Spark ledger may have acted on it: falling back to an
+    # older checkpoint could lose what they released. Only a write cut short is passed over.
+    store = Store(str(tmp_path), "job")
+    for epoch in (1, 2):
+        store.write_part(epoch, 0, {"S": {"a": str(epoch).encode()}})
+        commit_ready(store, 1)
+    path = tmp_path / "manifests" / f"{2:020d}.json"
+    path.write_bytes(path.read_bytes().replace(b'"epoch":2', b'"epoch":3'))
+    with pytest.raises(CheckpointError, match="corrupt .checksum mismatch") as info:
+        Store(str(tmp_path), "job").latest()
+    assert not isinstance(info.value, DamagedManifest)
+
+
+def test_a_manifest_removed_between_listing_and_reading_makes_latest_list_again(tmp_path) -> None:
+    writer = Store(str(tmp_path), "job", keep=3)
+    for epoch in (2, 4):
+        writer.write_part(epoch, 0, {"S": {"a": str(epoch).encode()}})
+        commit_ready(writer, 1)
+    newest = tmp_path / "manifests" / f"{4:020d}.json"
+    _cut_short(newest)
+    reader = Store(str(tmp_path), "job", run="reader")
+    real = reader.fs.cat_file
+
+    def cat(path, *args, **kwargs):  # the writer's garbage collection removes it just after the listing
+        if path.endswith(newest.name) and newest.exists():
+            newest.unlink()
+        return real(path, *args, **kwargs)
+
+    reader.fs.cat_file = cat
+    assert reader.latest().epoch == 2

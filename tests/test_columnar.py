@@ -343,3 +343,44 @@ def test_send_of_a_mapping_names_the_input_and_column() -> None:
     assert "column 'b' of the schema is missing" in errors[2]
     assert "column 'a' is not a sequence" in errors[3]
     assert "do not fit the schema" in errors[4]
+
+
+def test_many_tiny_parts_stay_within_a_small_message_limit():
+    """Each part adds a head and buffer slack its rows' bytes do not count: 5,000 one-row parts
+    gathered for a worker under a 64 KiB limit go in several messages, each within the limit,
+    every row once and in order."""
+    from types import SimpleNamespace
+
+    from timely.columnar import codec
+    from timely.columnar.channels import ColumnChannel
+    from timely.comm.framing import buffer_frames, encode
+    from timely.comm.framing import encode_items as encode_body
+
+    limit = 64 << 10
+
+    class Recording:
+        max_bytes = limit
+
+        def __init__(self) -> None:
+            self.sizes: list[int] = []
+            self.rows: list[int] = []
+
+        encode_items = staticmethod(encode_body)
+
+        def push_buffers(self, head, buffers):
+            frames, size = buffer_frames(buffers)
+            self.sizes.append(size + len(encode(head)))
+            for b in codec.decode(head[1], frames):
+                self.rows.extend(b.column("a").to_pylist())
+
+    pushers = [Recording(), Recording()]
+    target = SimpleNamespace(op=SimpleNamespace(name="T"), deliver=lambda t, b: None)
+    df = SimpleNamespace(index=0, peers=2, ctx=SimpleNamespace(pending=[]),
+                         allocate_channel=lambda target, decoder=None: (pushers, None))
+    channel = ColumnChannel(df, target, lambda t, batches, peers: [[], list(batches)])
+    for i in range(5000):
+        channel.push(0, [pa.record_batch({"a": pa.array([i], pa.int64()), "s": pa.array([str(i)])})])
+    while df.ctx.pending:
+        df.ctx.pending.pop().flush()
+    assert len(pushers[1].sizes) > 1 and max(pushers[1].sizes) <= limit
+    assert pushers[1].rows == list(range(5000))

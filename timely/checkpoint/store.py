@@ -68,8 +68,15 @@ class CheckpointError(TimelyError, RuntimeError):
 
 
 class DamagedManifest(CheckpointError):
-    """A manifest file that is not a whole manifest: its write was cut short (on a store without
-    atomic writes, by a crash) or its bytes changed since. :meth:`Store.latest` passes it over."""
+    """A manifest file cut short: the beginning of a manifest, whose write never completed (on a
+    store without atomic writes, a crash during it). No one can have used it, as its write never
+    returned: :meth:`Store.latest` passes it over. A whole manifest whose bytes changed since
+    (checksum mismatch, its body still well formed) is a plain :class:`CheckpointError`: it was
+    complete, and others may have acted on it."""
+
+
+class _Vanished(CheckpointError):
+    """A manifest listed a moment ago is gone (the writer's garbage collection removed it)."""
 
 
 class Manifest:
@@ -110,18 +117,25 @@ def _encode(body: dict) -> bytes:
 def _decode(raw: bytes, path: str) -> dict:
     """The body of a manifest file (references resolved to file names), checked against its digest."""
     head, sep, data = raw.partition(b"\n")
+    if not sep and MANIFEST_MAGIC.startswith(raw[:len(MANIFEST_MAGIC)]):
+        raise DamagedManifest(f"checkpoint manifest {path} is cut short ({len(raw)} bytes, no complete header)")
     if not head.startswith(MANIFEST_MAGIC) or not sep:
-        raise DamagedManifest(f"checkpoint manifest {path} is not a manifest of format {FORMAT} "
+        raise CheckpointError(f"checkpoint manifest {path} is not a manifest of format {FORMAT} "
                               f"(an older version's checkpoint, or corrupt)")
     if hashlib.sha256(data).hexdigest().encode() != head[len(MANIFEST_MAGIC):]:
-        raise DamagedManifest(f"checkpoint manifest {path} is corrupt (checksum mismatch)")
+        try:
+            json.loads(data)
+        except ValueError:  # the beginning of a body: a write cut short
+            raise DamagedManifest(f"checkpoint manifest {path} is cut short (checksum mismatch, "
+                                  f"its body ends after {len(data)} bytes)") from None
+        raise CheckpointError(f"checkpoint manifest {path} is corrupt (checksum mismatch)")
     try:
         body = json.loads(data)
         files = body.pop("files")
         body["states"] = {state: {key: [files[ref[0]], *ref[1:]] for key, ref in refs.items()}
                           for state, refs in body["states"].items()}
     except (ValueError, KeyError, TypeError, IndexError) as e:
-        raise DamagedManifest(f"checkpoint manifest {path} is unreadable or corrupt: {e}") from e
+        raise CheckpointError(f"checkpoint manifest {path} is unreadable or corrupt: {e}") from e
     return body
 
 
@@ -318,6 +332,8 @@ class Store:
             return known
         try:
             raw = self.fs.cat_file(path)
+        except FileNotFoundError as e:
+            raise _Vanished(f"checkpoint manifest {path} is gone: {e}") from e
         except OSError as e:
             raise CheckpointError(f"checkpoint manifest {path} is unreadable: {e}") from e
         body = _decode(raw, path)
@@ -332,23 +348,30 @@ class Store:
     def latest(self) -> Manifest | None:
         """The newest complete checkpoint, or ``None`` when there is none.
 
-        A newer manifest file that is damaged (:class:`DamagedManifest`: on a store without atomic
-        writes, a crash can cut a manifest's write short) is passed over, with one line on stderr
-        naming it, for the newest intact one: what it would have committed is committed again
-        from the parts. When none is intact, the newest one's error is raised (starting from
-        nothing would read every input again)."""
-        damaged: DamagedManifest | None = None
-        for _, path in reversed(self._manifest_paths()):
+        A newer manifest file cut short (:class:`DamagedManifest`: on a store without atomic
+        writes, a crash during its write) is passed over, with one line on stderr naming it, for
+        the newest intact one: a job resuming from it reads its inputs again from that epoch on.
+        When none is intact, the newest one's error is raised (starting from nothing would read
+        every input again). A manifest removed by the writer's garbage collection between the
+        listing and the reading (a newer one was committed meanwhile) makes it list again."""
+        for _ in range(8):
+            damaged: DamagedManifest | None = None
             try:
-                return self.load(path)
-            except DamagedManifest as e:
-                damaged = damaged or e
-                if path not in self._warned:
-                    self._warned.add(path)
-                    print(f"timely.checkpoint: {e}: passed over for an older checkpoint", file=sys.stderr)
-        if damaged is not None:
-            raise damaged
-        return None
+                for _, path in reversed(self._manifest_paths()):
+                    try:
+                        return self.load(path)
+                    except DamagedManifest as e:
+                        damaged = damaged or e
+                        if path not in self._warned:
+                            self._warned.add(path)
+                            print(f"timely.checkpoint: {e}: passed over for an older checkpoint", file=sys.stderr)
+            except _Vanished:
+                self.fs.invalidate_cache(self._path("manifests"))
+                continue
+            if damaged is not None:
+                raise damaged
+            return None
+        raise CheckpointError(f"the checkpoint manifests in {self._path('manifests')} keep changing while read")
 
     def read(self, manifest: Manifest, state: str, keys: Iterable[str] | None = None) -> dict[str, bytes]:
         """The blobs of ``state`` in ``manifest`` (only ``keys`` when given; absent keys are
@@ -381,12 +404,14 @@ class Store:
         needs (of epochs up to ``newest``'s), the pending markers of those epochs and other runs'
         reached markers."""
         kept: list[Manifest] = []
-        dropped: list[str] = []  # beyond the newest `keep`, or damaged (this store is the only writer)
+        dropped: list[str] = []  # beyond the newest `keep`, or cut short (this store is the only writer)
         for _, p in reversed(self._manifest_paths()):
             try:
                 manifest = newest if p == newest.path else self.load(p)
             except DamagedManifest:
                 dropped.append(p)
+                continue
+            except _Vanished:
                 continue
             if len(kept) < self.keep:
                 kept.append(manifest)

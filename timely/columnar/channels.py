@@ -29,6 +29,9 @@ from . import codec, kernels
 GATHER_BYTES = 1 << 20
 #: Bytes a message may take beyond its buffers (its msgpack head: time, schema, buffer shapes).
 _SLACK = 64 << 10
+#: Bytes a part may add to its rows' bytes in a message, at most: its head, and its buffers'
+#: excess over its rows (``codec``: at most 4 KiB before the part goes as IPC instead).
+PART_SLACK = 8 << 10
 
 Partitioner = Callable[[Any, list, int], list]
 
@@ -216,7 +219,25 @@ class ColumnChannel(Channel):
 
     def _ship(self, worker: int) -> None:
         parts = self._parts[worker]
+        assert parts is not None
+        gathered = self._bytes[worker]
         self._parts[worker] = None
         self._bytes[worker] = 0
-        meta, buffers = codec.encode(parts)  # type: ignore[arg-type]
-        self.pushers[worker].push_buffers((self._times[worker], meta), buffers)
+        self._send(worker, self._times[worker], parts, gathered)
+
+    def _send(self, worker: int, time: Any, parts: list, gathered: int) -> None:
+        """``parts`` (of ``gathered`` rows' bytes) as one message, or as halves where that message
+        would exceed the limit: each part adds a head (its columns' shapes) and its buffers may
+        exceed its rows' bytes (up to :data:`PART_SLACK` in all), which the gathering did not
+        count; many tiny parts could otherwise add up to more than a message may carry."""
+        meta, buffers = codec.encode(parts)
+        pusher = self.pushers[worker]
+        limit = pusher.max_bytes
+        if limit is not None and len(parts) > 1 and gathered + len(parts) * PART_SLACK > limit:
+            size = sum(b.size for b in buffers) + len(pusher.encode_items([(time, meta)]))
+            if size > limit:
+                half = len(parts) // 2
+                self._send(worker, time, parts[:half], sum(p.nbytes for p in parts[:half]))
+                self._send(worker, time, parts[half:], sum(p.nbytes for p in parts[half:]))
+                return
+        pusher.push_buffers((time, meta), buffers)
