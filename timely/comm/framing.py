@@ -45,7 +45,9 @@ from .errors import FramingError
 #: Protocol version carried by every header; peers with another version are rejected.
 #: 2: ``DATA_BUFFERS`` (a version-1 worker would ignore it and lose the sequence).
 #: 3: ``BUNDLE`` (likewise for a version-2 worker).
-VERSION = 3
+#: 4: the payloads above this layer changed (progress updates name locations by index): a worker
+#: of version 3 would fail on them later, with a less clear error.
+VERSION = 4
 
 #: The header frame: version, kind, source worker, channel id, sequence number.
 HEADER = struct.Struct("<BBHIQ")
