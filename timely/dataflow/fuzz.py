@@ -37,7 +37,7 @@ SEND = 0.5
 
 
 class Port(Protocol):
-    """An operator input as the fuzzer sees it: a queue of ``(time, batch)`` and its operator."""
+    """An operator input as the fuzzer sees it: a queue of ``(time, batch, length)`` and its operator."""
 
     queue: Any
     op: Any
@@ -50,12 +50,13 @@ class Fuzzer:
 
     def __init__(self, seed: int, worker: int, dataflow: int) -> None:
         self.rng = random.Random(f"timely-fuzz:{seed}:{worker}:{dataflow}")
-        self.held: list[tuple[Port, Any, Sequence]] = []
+        self.held: list[tuple[Port, Any, Sequence, int]] = []
         self.operators = 0  # how many operators the dataflow has (set when it is built)
 
-    def hold(self, port: Port, time: Any, batch: Sequence) -> None:
-        """Take a batch delivered to ``port`` at ``time``; it reaches the operator at a later step."""
-        self.held.append((port, time, batch))
+    def hold(self, port: Port, time: Any, batch: Sequence, n: int) -> None:
+        """Take a batch of ``n`` records delivered to ``port`` at ``time``; it reaches the operator
+        at a later step."""
+        self.held.append((port, time, batch, n))
 
     def send_now(self) -> bool:
         """Whether a busy step sends its gathered records and progress now (else a later step does)."""
@@ -75,16 +76,17 @@ class Fuzzer:
             return
         held, self.held = self.held, []
         rng.shuffle(held)
-        for port, time, batch in held:
+        for port, time, batch, n in held:
             if rng.random() < DELAY:
-                self.held.append((port, time, batch))
+                self.held.append((port, time, batch, n))
                 continue
-            if len(batch) > 1 and rng.random() < SPLIT:
+            if n > 1 and len(batch) == n and rng.random() < SPLIT:
                 # Either part first: records of one time have no order either (the parts are copies:
-                # the batch itself may be another consumer's too).
-                cut = rng.randrange(1, len(batch))
+                # the batch itself may be another consumer's too). A batch changed since it was
+                # delivered goes whole: its consumer reports the change.
+                cut = rng.randrange(1, n)
                 now, later = (batch[:cut], batch[cut:]) if rng.random() < 0.5 else (batch[cut:], batch[:cut])
-                self.held.append((port, time, later))
-                batch = now
-            port.queue.append((time, batch))
+                self.held.append((port, time, later, len(later)))
+                batch, n = now, len(now)
+            port.queue.append((time, batch, n))
             port.op.activate()

@@ -53,16 +53,22 @@ class OperatorInput:
         target = Target(op.index, port.port)
         queue = port.queue
         while queue:
-            time, batch = queue.popleft()
-            if queue and len(batch) < MERGE_RECORDS and queue[0][0] == time and len(queue[0][1]) < MERGE_RECORDS:
+            time, batch, n = queue.popleft()
+            if len(batch) != n:
+                _changed(op.name, time, n, len(batch))
+            if queue and n < MERGE_RECORDS and queue[0][0] == time and queue[0][2] < MERGE_RECORDS:
                 # Small batches of one time queued one after another (the parts of an exchange
                 # among many peers) reach the logic as one: its cost per batch would exceed theirs.
                 merged = list(batch)
-                while queue and queue[0][0] == time and len(queue[0][1]) < MERGE_RECORDS and len(merged) < MERGED_RECORDS:
-                    merged += queue.popleft()[1]
+                while queue and queue[0][0] == time and queue[0][2] < MERGE_RECORDS and n < MERGED_RECORDS:
+                    _, more, m = queue.popleft()
+                    if len(more) != m:
+                        _changed(op.name, time, m, len(more))
+                    merged += more
+                    n += m
                 batch = merged
-            if batch:
-                update((target, time), -len(batch))  # consumed: in this step's progress batch
+            if n:
+                update((target, time), -n)  # consumed: in this step's progress batch
             yield InputCapability(info, time), batch
 
     @property
@@ -71,21 +77,41 @@ class OperatorInput:
         return self._port.frontier
 
 
+def _changed(operator: str, time: Any, sent: int, now: int) -> None:
+    """Raise for a batch whose length changed between its sending and its consumption: the
+    progress counts hold the length it was sent with, so its time could never complete."""
+    raise CapabilityError(
+        f"operator '{operator}': a batch it received at time {time!r} was sent with {sent} records and holds "
+        f"{now} now: a list given to give_batch or send_batch is handed over, and must not be changed after")
+
+
 class Session:
-    """Buffers records given at one capability's time; flushed when the invocation ends."""
+    """Buffers records given at one capability's time; flushed when the invocation ends. A
+    session kept past a flush (:meth:`OperatorOutput.flush`, or the end of the invocation) sends
+    into a new buffer, once its capability is checked again (a stale input capability raises
+    :class:`CapabilityError`)."""
 
-    __slots__ = ("_buffer",)
+    __slots__ = ("_output", "_cap", "_buffer", "_flushes")
 
-    def __init__(self, buffer: list) -> None:
+    def __init__(self, output: OperatorOutput, cap: Capability | InputCapability, buffer: list) -> None:
+        self._output = output
+        self._cap = cap
         self._buffer = buffer
+        self._flushes = output._flushes  # the buffer is the output's until its next flush
+
+    def _current(self) -> list:
+        if self._flushes != self._output._flushes:  # (the old buffer was sent, and counted)
+            self._buffer = self._output._buffer_for(self._cap)
+            self._flushes = self._output._flushes
+        return self._buffer
 
     def give(self, record: Any) -> None:
         """Send one record."""
-        self._buffer.append(record)
+        self._current().append(record)
 
     def give_batch(self, records: Sequence) -> None:
         """Send many records."""
-        self._buffer.extend(records)
+        self._current().extend(records)
 
     def __enter__(self) -> Session:
         return self
@@ -101,11 +127,12 @@ class OperatorOutput:
     ends (or at :meth:`flush`).
     """
 
-    __slots__ = ("_port", "_buffers")
+    __slots__ = ("_port", "_buffers", "_flushes")
 
     def __init__(self, port: OutputPort) -> None:
         self._port = port
         self._buffers: dict[Any, list] = {}
+        self._flushes = 0  # flushes that sent buffers (a session's buffer is valid until the next)
 
     @property
     def port(self) -> int:
@@ -156,11 +183,14 @@ class OperatorOutput:
 
     def session(self, cap: Capability | InputCapability) -> Session:
         """A session sending at ``cap.time``."""
+        return Session(self, cap, self._buffer_for(cap))
+
+    def _buffer_for(self, cap: Capability | InputCapability) -> list:
         time = self._time_of(cap)
         buf = self._buffers.get(time)
         if buf is None:
             buf = self._buffers[time] = []
-        return Session(buf)
+        return buf
 
     def give(self, cap: Capability | InputCapability, record: Any) -> None:
         """Send one record at ``cap.time``."""
@@ -179,6 +209,7 @@ class OperatorOutput:
         """Send every buffered record."""
         if self._buffers:
             buffers, self._buffers = self._buffers, {}
+            self._flushes += 1  # sessions holding these buffers take new ones
             for time, buf in buffers.items():
                 self._port.send(time, buf)
 
@@ -187,7 +218,8 @@ class Notificator:
     """Delivers requested times once every input frontier has passed them, in time order.
 
     ``notify_at(cap)`` takes ownership of a capability; iterating yields the capabilities whose time
-    is complete, each dropped after its loop body unless the body keeps it alive by delaying it.
+    is complete, each dropped after its loop body unless the body gave it back to ``notify_at``
+    (after ``cap.downgrade(later)``: a timer that fires again) or keeps a copy (``cap.delayed(t)``).
     """
 
     def __init__(self, frontiers: Sequence[Frontier]) -> None:
@@ -198,6 +230,8 @@ class Notificator:
         """Ask to be notified when ``cap.time`` is complete; the notificator now owns ``cap``."""
         if not isinstance(cap, Capability):
             raise CapabilityError("notify_at needs a Capability (use input_cap.retain())")
+        if not cap.live:
+            raise CapabilityError(f"notify_at: the capability at {cap.time!r} was dropped")
         self._pending.append(cap)
 
     def _complete(self, time: Any) -> bool:
@@ -224,7 +258,7 @@ class Notificator:
                     try:
                         yield cap
                     finally:
-                        if cap.live:
+                        if cap.live and not any(c is cap for c in self._pending):  # (not given back)
                             cap.drop()
             finally:
                 # A loop left early (break, next(iter(...))) leaves the rest for a later loop:

@@ -1,6 +1,7 @@
 """Inputs, probes, captures and loop handles: how a worker's driver code talks to a running dataflow."""
 from __future__ import annotations
 
+import numbers
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,9 @@ class InputHandle:
         """
         cap = self._open()
         if type(records) is not list:
+            if hasattr(records, "columns") and hasattr(records, "itertuples"):  # (iterating one gives its column names)
+                raise InputError(f"input '{self.name}': send_batch got a DataFrame, not a sequence of records: "
+                                 "send df.itertuples(index=False, name=None) for its rows as tuples")
             tolist = getattr(records, "tolist", None)
             records = tolist() if callable(tolist) else list(records)
         if self._buffer:
@@ -77,8 +81,13 @@ class InputHandle:
             self._out.give_batch(self._open(), buf)
 
     def advance_to(self, time: Any) -> None:
-        """Move the input's epoch forward to ``time``; earlier epochs can complete."""
+        """Move the input's epoch forward to ``time``; earlier epochs can complete. An integer of
+        another type (numpy's ``int64``) becomes an ``int``; a bool is refused."""
         cap = self._open()
+        if isinstance(time, bool) or type(cap.time) is int and not isinstance(time, numbers.Integral):
+            raise InputError(f"input '{self.name}': advance_to needs an integer epoch, not {type(time).__name__} {time!r}")
+        if type(cap.time) is int:
+            time = int(time)
         if not less_equal(cap.time, time):
             raise InputError(f"input '{self.name}': advance_to({time!r}) would move time backwards from {cap.time!r}")
         self.flush()

@@ -35,7 +35,7 @@ class InputPort:
         self.op = op
         self.port = port
         self.levels = levels
-        self.queue: deque[tuple[Any, Sequence]] = deque()
+        self.queue: deque[tuple[Any, Sequence, int]] = deque()  # (time, batch, its length when delivered)
         self._fuzzer = op.ctx.fuzzer
         # The view is created once and stays valid: install() swaps the antichain behind it.
         self._antichains = [MutableAntichain()]
@@ -53,12 +53,15 @@ class InputPort:
     def deliver(self, time: Any, batch: Sequence) -> None:
         """Queue a received batch and activate the operator (when fuzzing: hand it to the fuzzer,
         which queues it at a later step)."""
-        self.op.records_in += len(batch)  # metrics (timely.metrics): per batch, never per record
+        n = len(batch)
+        self.op.records_in += n  # metrics (timely.metrics): per batch, never per record
         if self._fuzzer is None:
-            self.queue.append((time, batch))
+            # The length goes with the batch: it is what the sender counted as produced, and what
+            # the consumer counts as consumed (a batch changed after it was sent is an error).
+            self.queue.append((time, batch, n))
             self.op.activate()
         else:
-            self._fuzzer.hold(self, time, batch)
+            self._fuzzer.hold(self, time, batch, n)
 
 
 class OutputPort:
