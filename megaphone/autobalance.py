@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import queue
+import sys
 import threading
 import time as _time
 from collections import deque
@@ -176,7 +177,8 @@ class AutoBalancer:
 
     ``worker`` is worker 0 (its ``metrics.hub`` has every worker's per-bin rates: run the job with
     ``--autobalance`` or ``--metrics-port``, or a :class:`timely.metrics.MetricsConfig`); ``name`` is
-    the migratable operator's name (default: the only one reported). :attr:`decisions` lists what
+    the migratable operator's name (default: the only one reported with the controller's number of
+    bins; with several, it does not balance and says so once on stderr). :attr:`decisions` lists what
     was decided, the newest :data:`MAX_DECISIONS` (and :data:`MAX_DECISION_BINS` moved bins in
     all), each ``{"at", "migration", "imbalance", "bins", "moves": {bin: new worker}, "strategy"}``;
     :attr:`decided` counts every decision since the start; :attr:`needed` is the latest
@@ -210,7 +212,23 @@ class AutoBalancer:
         self._seen = -1
         self._reports: dict[int, tuple[float, list[int]]] = {}  # per worker: the report last seen
         self._rates: dict[int, list[float]] = {}  # per worker: per-bin records/s between its last two seen
+        self._ambiguous = False  # said once that several operators could be meant
         controller.add_poller(self.poll)
+
+    def _only_operator(self, bins: dict[str, Any]) -> str | None:
+        """The one migratable operator reported with this controller's number of bins (operators
+        of another ``k`` have another control input). Several: None, and one line on stderr
+        asking for ``name`` (balancing by one of them would move the others' bins blindly)."""
+        nbins = self.controller.nbins
+        names = sorted(n for n, agg in bins.items()
+                       if agg["reports"] and all(len(counts) == nbins for _, counts in agg["reports"].values()))
+        if len(names) > 1:
+            if not self._ambiguous:
+                self._ambiguous = True
+                print(f"megaphone.AutoBalancer: several migratable operators have {nbins} bins "
+                      f"({', '.join(names)}): give AutoBalancer(..., name=...); not balancing", file=sys.stderr)
+            return None
+        return names[0] if names else None
 
     def _bin_rates(self, reports: dict[int, tuple[float, list[int]]]) -> list[float] | None:
         """Per-bin records per second, summed over the workers: each worker's over the span between
@@ -239,7 +257,7 @@ class AutoBalancer:
         self._seen = self.hub.received
         view = self.hub.view()
         bins = view["bins"]
-        name = self.name if self.name is not None else next(iter(bins), None)
+        name = self.name if self.name is not None else self._only_operator(bins)
         agg = bins.get(name) if name is not None else None
         if agg is None or len(view["rated"]) < self.controller.peers:
             return  # some worker's rates are not known yet: its bins would look idle

@@ -195,6 +195,8 @@ class Controller:
         self._in_flight: StepEvent | None = None  # issued, not yet complete
         self._ahead: StepEvent | None = None  # its bins are being copied ahead (the next to issue)
         self._migrations = 0
+        #: The newest migrations that had nothing to move (the target was the planned table).
+        self.empty_migrations: deque[int] = deque(maxlen=1024)
         self._pollers: list[Callable[[], object]] = []
         #: The :class:`~megaphone.AutoBalancer` the launcher's ``--autobalance`` started on this
         #: controller, if any (the dashboard and the metrics are connected too).
@@ -219,9 +221,13 @@ class Controller:
         if precopy and self.copied is None:
             raise ValueError("a pre-copied migration needs the controller's copied probe "
                              "(Controller(..., copied=migratable.copied))")
+        if self.control.closed:
+            raise TableError("the control input is closed: no migration can be issued any more")
         checked = [moves for i, step in enumerate(_steps(steps)) if (moves := self._checked_step(i, step))]
         mid = self._migrations
         self._migrations += 1
+        if not checked:
+            self.empty_migrations.append(mid)  # (status: done, not "trimmed")
         if not self.events:
             self._logged_moves = 0  # (a reader may have emptied the log)
         for i, moves in enumerate(checked):

@@ -94,7 +94,8 @@ def status(controller: Controller, migration: int | None = None, since: int = 0,
     evs = [e for e in controller.events if migration is None or e.migration == migration]
     done = [e for e in evs if e.state == "completed"]
     queued = [e for e in evs if e.state == "queued"]
-    trimmed = migration is not None and not evs and 0 <= migration < controller.migrations
+    trimmed = (migration is not None and not evs and 0 <= migration < controller.migrations
+               and migration not in controller.empty_migrations)
     return {
         "trimmed": trimmed,
         "completed_total": controller.steps_completed,
@@ -105,6 +106,7 @@ def status(controller: Controller, migration: int | None = None, since: int = 0,
         "queued": [e.as_dict() for e in queued[:limit]],
         "queued_count": len(queued),
         "in_flight": [e.as_dict() for e in evs if e.state == "in_flight"],
+        "copying": [e.as_dict() for e in evs if e.state == "copying"],
         "completed": [e.as_dict() for e in done[since:since + limit]],
         "completed_count": len(done),
         "done": len(done) == len(evs),
@@ -302,7 +304,8 @@ def request(endpoint: str, req: dict[str, Any], timeout: float = 5.0,
         sock.connect(endpoint)
         sock.send(_encode(req, False))
         if not sock.poll(int(timeout * 1000), zmq.POLLIN):
-            raise EndpointError(f"control endpoint {endpoint} did not answer within {timeout:g} s")
+            raise EndpointError(f"control endpoint {endpoint} did not answer within {timeout:g} s (a job that "
+                                "reads the request later still acts on it)")
         return _decode(sock.recv(), False)
     except zmq.ZMQError as e:
         raise EndpointError(f"cannot talk to control endpoint {endpoint}: {e}") from e

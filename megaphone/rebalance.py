@@ -103,7 +103,8 @@ def _print_status(endpoint: str, timeout: float, out: Any, secret: JobSecret | N
     if "routing_table" in t:
         print(f"operator routing table: {','.join(map(str, t['routing_table']))}", file=out)
     print(f"control time {s['control_time']}; {s.get('completed_total', s['completed_count'])} steps completed, "
-          f"{len(s['in_flight'])} in flight, {s['queued_count']} queued", file=out)
+          f"{len(s['in_flight'])} in flight, {len(s.get('copying', ()))} copying ahead, {s['queued_count']} queued",
+          file=out)
     for ev in s["in_flight"]:
         print(f"  in flight: migration {ev['migration']} step {ev['index'] + 1}/{ev['steps']}, "
               f"bins {_fmt_bins(ev['bins'])}, {ev.get('elapsed', 0.0) * 1000:.1f} ms so far", file=out)
@@ -183,8 +184,11 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
             return 0
         reply = call(args.endpoint, req, args.timeout, secret)
         mid, steps = reply["migration"], reply["steps"]
-        print(f"migration {mid}: {reply['moves']} bins in {steps} steps ({reply['strategy']})", file=out, flush=True)
-        if not args.no_wait:
+        if not steps:
+            print(f"migration {mid}: nothing to move (the table is already the target)", file=out, flush=True)
+        else:
+            print(f"migration {mid}: {reply['moves']} bins in {steps} steps ({reply['strategy']})", file=out, flush=True)
+        if steps and not args.no_wait:
             follow(args.endpoint, mid, steps, args.timeout, args.interval, out, secret)
         if args.status:
             _print_status(args.endpoint, args.timeout, out, secret)

@@ -300,3 +300,49 @@ def test_autobalancer_moves_a_hot_range_with_outputs_unchanged(tmp_path, monkeyp
     assert set(decisions[0]["bins"]) <= set(range(1 << K)) and decisions[0]["imbalance"] > 0.3
     assert decisions[0]["strategy"] == "all_at_once"  # a few small bins ("auto")
     assert needed is None or needed >= 1
+
+
+class _TwoOperatorsHub:
+    """A metrics hub reporting two migratable operators, with ``sizes`` bins each; worker 0's bins
+    are hot."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self.received, self.t, self.sizes = 0, 0.0, sizes
+        self.counts = {(name, w): [0] * n for name, n in sizes.items() for w in (0, 1)}
+
+    def view(self) -> dict:
+        bins = {name: {"state": [1] * n, "reports": {w: (self.t, list(self.counts[name, w])) for w in (0, 1)}}
+                for name, n in self.sizes.items()}
+        return {"bins": bins, "rated": [0, 1], "workers": [{"worker": 0, "busy_ms_per_s": 900.0},
+                                                          {"worker": 1, "busy_ms_per_s": 100.0}]}
+
+    def advance(self) -> None:
+        self.t += 1.0
+        self.received += 1
+        for (_, w), c in self.counts.items():
+            for b in range(len(c)):
+                if b % 2 == w:
+                    c[b] += 100 if w == 0 else 1
+
+
+@pytest.mark.parametrize("other_bins", [8, 16])
+def test_with_several_operators_it_balances_the_controllers_or_says_it_cannot_tell(other_bins, capfd):
+    import types
+
+    from megaphone_jobs import FakeControl, FakeProbe
+
+    from megaphone.autobalance import AutoBalancer
+    from megaphone.controller import Controller
+
+    hub = _TwoOperatorsHub({"other": other_bins, "mine": 16})
+    worker = types.SimpleNamespace(metrics=types.SimpleNamespace(hub=hub))
+    controller = Controller(FakeControl(k=4, peers=2), FakeProbe())
+    balancer = AutoBalancer(controller, worker, interval=0.0, hold=1, window=1)
+    for _ in range(4):
+        hub.advance()
+        controller.tick()  # an operator of another k raised IndexError here
+    err = capfd.readouterr().err
+    if other_bins == 16:  # two could be meant: no decision, and one line saying so
+        assert balancer.decided == 0 and err.count("several migratable operators have 16 bins (mine, other)") == 1
+    else:
+        assert balancer.decided == 1 and "several" not in err

@@ -130,6 +130,23 @@ def test_no_step_is_issued_on_a_closed_control_input():
     ctl.start([{0: 1}])
     control.closed = True
     assert not ctl.tick() and control.sent == [] and ctl.busy
+    # A migration asked for afterwards is refused (it was queued, and stayed 'queued' for ever).
+    with pytest.raises(TableError, match="the control input is closed"):
+        ctl.rebalance([1] * ctl.nbins)
+    assert ctl.migrations == 1
+
+
+def test_a_migration_with_nothing_to_move_is_done_not_trimmed_and_copying_steps_show():
+    from megaphone.endpoint import status
+
+    control, probe = FakeControl(), FakeProbe()
+    ctl = Controller(control, probe)
+    mid = ctl.rebalance(list(ctl.planned_table))
+    assert status(ctl, mid) | {} == {**status(ctl, mid), "trimmed": False, "steps": 0, "done": True}
+    moved = ctl.start([{0: 1}])
+    ctl.events[-1].copy_time = 1  # its bins are being copied ahead (megaphone.precopy)
+    s = status(ctl, moved)
+    assert [e["state"] for e in s["copying"]] == ["copying"] and not s["queued"] and not s["in_flight"]
 
 
 # -- the control input ---------------------------------------------------------------------------
