@@ -596,3 +596,95 @@ def test_sighup_ignored_by_nohup_stays_ignored_and_a_worker_hung_up_is_reported_
     os.kill(pids[1], signal.SIGHUP)  # one worker alone is hung up
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 1 and "killed by signal SIGHUP" in err, err
+
+
+SIGTERM_IGNORING_JOB = '''
+import os, signal, subprocess, sys, time
+def main(worker):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a library that masks SIGTERM, or a long C call
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # (not our pipes)
+    print("ready", worker.index, helper.pid, flush=True)
+    time.sleep(300)
+'''
+
+
+def _start_and_wait_ready(tmp_path, launched, source: str) -> tuple[subprocess.Popen, list[int]]:
+    job = _job(tmp_path, "job.py", source)
+    proc = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    launched.append(proc)
+    seen = b""
+    deadline = time.monotonic() + 20
+    while seen.count(b"ready") < 2 and time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            seen += chunk
+    assert seen.count(b"ready") == 2, seen
+    helpers = [int(line.split()[2]) for line in seen.decode().splitlines() if line.startswith("ready")]
+    return proc, helpers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_a_second_sigterm_during_the_stop_grace_kills_the_workers_and_exits(tmp_path, launched):
+    # The workers ignore SIGTERM: the first one starts the grace, the second ends it. The launcher
+    # then escaped without killing them, and waited for them for ever at its exit.
+    proc, helpers = _start_and_wait_ready(tmp_path, launched, SIGTERM_IGNORING_JOB)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=20)
+    assert proc.returncode == 143
+    for pid in helpers:  # (the job's own helpers: not children of the launcher, killed here)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_the_programs_the_job_started(tmp_path, launched):
+    # Workers ignored SIGINT with SIG_IGN, which every program they exec inherits: Ctrl-C (SIGINT
+    # to the whole foreground group) left the job's helpers running, orphaned.
+    proc, helpers = _start_and_wait_ready(tmp_path, launched, SIGTERM_IGNORING_JOB.replace(
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)", "pass"))
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=20)
+    assert proc.returncode == 130
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in helpers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in helpers if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the job's helper processes survived Ctrl-C"
+
+
+@pytest.mark.timeout(60)
+def test_a_job_file_that_fails_to_import_is_not_restarted(tmp_path, launched):
+    job = _job(tmp_path, "job.py", "import no_such_module_here\ndef main(worker):\n    pass\n")
+    run = _launch(launched, "-w", "2", "--checkpoint", str(tmp_path / "ck"), "--restarts", "3", job)
+    assert run.returncode == 2, run.stderr
+    assert "importing the job file raised ModuleNotFoundError: No module named 'no_such_module_here'" in run.stderr
+    assert "restart" not in run.stderr  # it would fail again: 3 identical runs before
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_url_without_its_fsspec_package_is_a_clear_error_with_restarts(tmp_path, launched):
+    import importlib.util
+
+    if importlib.util.find_spec("s3fs") is not None:
+        pytest.skip("s3fs is installed here: an s3:// URL would reach the network")
+    job = _job(tmp_path, "job.py", "def main(worker):\n    pass\n")
+    run = _launch(launched, "-w", "2", "--checkpoint", "s3://bucket/ck", "--restarts", "2", job)
+    assert run.returncode == 1, run.stderr
+    assert "checkpoint storage 's3://bucket/ck' cannot be used: Install s3fs" in run.stderr
+    assert "recovery.py" not in run.stderr and "restart" not in run.stderr

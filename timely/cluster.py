@@ -189,11 +189,18 @@ def _line_buffered(stream: Any) -> None:
         pass
 
 
+def _ignore_signal(signum: int, frame: Any) -> None:
+    """A signal handler that does nothing (see :func:`_child`)."""
+
+
 def _child(entry: Callable[[int, Callable[[Any], None]], None], index: int,
            conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
     """Body of a worker process: run ``entry(index, report)`` and report how it went."""
     _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops everyone
+    # Ctrl-C: the parent stops everyone. A handler that does nothing rather than SIG_IGN: an
+    # ignored SIGINT would be inherited by every program the job runs (exec keeps it), which a
+    # Ctrl-C then could not stop; a handler is reset to the default by exec.
+    signal.signal(signal.SIGINT, _ignore_signal)
     signal.signal(signal.SIGTERM, _on_sigterm)
     # SIGUSR2 prints every thread's stack to standard error: the supervisor's report of a worker
     # still running at its timeout (a hang shows where it hangs). SIGUSR1 is the watchdog's.
@@ -481,7 +488,9 @@ def supervise(entry: Callable[[int, Callable[[Any], None]], None], indices: Sequ
     finally:
         try:
             _stop(procs, {p.sentinel: i for i, p in procs.items() if p.exitcode is None}, outcomes, conns, grace)
-        except KeyboardInterrupt:  # a second Ctrl-C during the grace: no more grace
+        except BaseException:  # a second Ctrl-C, SIGTERM or SIGHUP during the grace: no more grace
+            # (escaping without killing them, the interpreter's exit would then wait for workers
+            # that ignore SIGTERM, for ever)
             _kill(procs)
             raise
         finally:

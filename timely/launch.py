@@ -122,7 +122,10 @@ def load_job(path: str) -> Any:
         raise JobFileError(f"{path}: cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[JOB_MODULE] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # (a missing module, an error at import: a restart would repeat it)
+        raise JobFileError(f"{path}: importing the job file raised {type(exc).__name__}: {exc}") from exc
     return module
 
 

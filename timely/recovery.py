@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 
 __all__ = ["run_restarting", "retryable"]
 
-#: Failures (exception class names) that a restart would only repeat.
-_FINAL = ("CheckpointError", "JobFileError")
+#: Failures (exception class names) that a restart would only repeat (a job that calls sys.exit
+#: means to stop).
+_FINAL = ("CheckpointError", "JobFileError", "SystemExit")
 
 
 def retryable(failure: Outcome) -> bool:

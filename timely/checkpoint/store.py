@@ -158,7 +158,7 @@ class Store:
             self.root = root.rstrip("/")
             for sub in ("manifests", "parts", "pending"):
                 self.fs.makedirs(self._path(sub), exist_ok=True)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, ImportError) as e:  # (ImportError: fsspec lacks the scheme's package)
             raise CheckpointError(f"checkpoint storage {url!r} cannot be used: {e}") from e
         self._local = isinstance(self.fs, LocalFileSystem)
         self._known: dict[str, Manifest] = {}  # manifests read or written, by path (the kept ones)
