@@ -189,3 +189,25 @@ def test_a_dataframe_is_refused_not_sent_as_its_column_names():
         worker.finish()
 
     timely.execute(main)
+
+
+def test_a_constructor_that_returns_no_logic_is_a_build_error_naming_the_operator():
+    from timely.errors import BuildError
+
+    def main(worker):
+        with pytest.raises(BuildError, match=r"operator 'Forgetful': its constructor returned None, not the logic "
+                                             r"function \(does it end with `return logic`\?\)"):
+            with worker.dataflow() as scope:
+                inp = scope.new_input()
+
+                def constructor(cap, info):
+                    cap.drop()
+
+                    def logic(i, o):
+                        pass
+                    # (no `return logic`)
+
+                inp.stream.unary(constructor, name="Forgetful")
+        return True
+
+    assert timely.execute(main) == [True]

@@ -25,6 +25,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from .dataflow import Dataflow
 
 
+
+def _logic_of(result: Any, name: str) -> Callable:
+    """What an operator's constructor returned, once checked to be its logic (a function)."""
+    if not callable(result):
+        raise BuildError(f"operator '{name}': its constructor returned {result!r:.60}, not the logic function "
+                         "(does it end with `return logic`?)")
+    return result
+
 class Scope:
     """A region of a dataflow whose times have ``levels`` coordinates."""
 
@@ -81,7 +89,7 @@ class Scope:
         info = b.info
 
         def build(caps: list[Capability]) -> Callable[[], None]:
-            logic = constructor(caps[0], info)
+            logic = _logic_of(constructor(caps[0], info), info.name)
             return lambda: logic(out)
 
         b.build(build)
@@ -133,7 +141,7 @@ class Stream:
 
         def build(caps: list[Capability]) -> Callable[[], None]:
             if not notify:
-                run_logic = logic(caps[0], info)
+                run_logic = _logic_of(logic(caps[0], info), name)
                 return lambda: run_logic(*inputs, out)
             caps[0].drop()
             notificator = Notificator([i.frontier for i in inputs])
