@@ -128,15 +128,24 @@ class BalancePolicy:
                  cooldown: float = 10.0, window: int = 3, min_busy: float = 0.0) -> None:
         if not threshold > 0:
             raise ValueError(f"threshold must be positive, not {threshold}")
+        if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
+            raise ValueError(f"peers must be a positive integer, not {peers!r}")
+        for knob, value in (("hold", hold), ("window", window)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{knob} must be a positive integer (evaluations), not {value!r}")
+        if not 0 <= cooldown < math.inf:
+            raise ValueError(f"cooldown must be a finite number of seconds, at least 0, not {cooldown!r}")
+        if not 0 <= min_busy <= 1:
+            raise ValueError(f"min_busy is a share of a worker's time, from 0 to 1, not {min_busy!r}")
         self.peers = peers
         self.threshold = threshold
         self.target = threshold / 2 if target is None else target
         if not 0 <= self.target < threshold:
             raise ValueError(f"target ({self.target}) must be below threshold ({threshold}): that is the hysteresis")
-        self.hold = max(1, int(hold))
+        self.hold = hold
         self.cooldown = cooldown
         self.min_busy = min_busy
-        self._window: deque[list[float]] = deque(maxlen=max(1, int(window)))
+        self._window: deque[list[float]] = deque(maxlen=window)
         self._streak = 0
         self._quiet_until = -math.inf
         self.last_imbalance = 0.0

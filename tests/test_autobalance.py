@@ -107,6 +107,14 @@ def test_bad_knobs_are_refused():
         BalancePolicy(2, threshold=0.2, target=0.3)
     with pytest.raises(ValueError, match="threshold must be positive"):
         BalancePolicy(2, threshold=0)
+    # Refused, not turned into something else (hold=0 became 1, a negative cooldown none).
+    for knobs, match in (({"hold": 0}, "hold must be a positive integer"), ({"window": -1}, "window must"),
+                         ({"cooldown": -3.0}, "cooldown must be"), ({"cooldown": float("nan")}, "cooldown must be"),
+                         ({"min_busy": 5.0}, "min_busy is a share"), ({"hold": 2.5}, "hold must")):
+        with pytest.raises(ValueError, match=match):
+            BalancePolicy(2, **knobs)
+    with pytest.raises(ValueError, match="peers must be a positive integer"):
+        BalancePolicy(0)
 
 
 def test_auto_strategy_moves_small_bins_at_once_and_large_ones_batched():

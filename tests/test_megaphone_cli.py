@@ -112,6 +112,8 @@ def test_cli_times_out_naming_the_endpoint():
     assert r.returncode == 2 and "give --table, --balanced, --move or --status" in r.stderr
     r = run_cli("--endpoint", endpoint, "--move", "3-1")
     assert r.returncode == 2 and "BIN:WORKER" in r.stderr
+    r = run_cli("--endpoint", endpoint, "--table", "0,,1,1")  # an empty entry was dropped silently
+    assert r.returncode == 2 and "--table expects comma-separated worker indices" in r.stderr
 
 def endpoint_job(worker, k: int, ready: threading.Event, stop: threading.Event, box: dict):
     """A live one-worker keyed count exposing a control endpoint until ``stop`` is set."""
