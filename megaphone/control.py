@@ -88,6 +88,7 @@ class ControlInput:
     def _moves(self, assignment: Mapping[int, int], method: str) -> None:
         with self._naming(method):
             checked = self._checked(assignment)
+            self._check_open()  # before anything is recorded
             self._record(None, checked)
         self.handle.send_batch(move_updates(checked))
 
@@ -116,6 +117,7 @@ class ControlInput:
         indices, one per bin."""
         with self._naming("install"):
             checked = validate_table(table, self.nbins, self.peers)
+            self._check_open()  # before anything is recorded
             self._record(checked, {})
         self.handle.send(("table", checked))
 
@@ -124,6 +126,11 @@ class ControlInput:
         if not isinstance(assignment, Mapping):
             raise TableError(f"expected a {{bin: worker}} mapping, not {type(assignment).__name__} {assignment!r:.60}")
         return dict(validate_move(b, w, self.nbins, self.peers) for b, w in assignment.items())
+
+    def _check_open(self) -> None:
+        """Raise :class:`timely.InputError` if the control input is closed."""
+        if self.handle.closed:
+            raise timely.InputError(f"control input '{self.name}' is closed")
 
     @contextlib.contextmanager
     def _naming(self, method: str) -> Iterator[None]:

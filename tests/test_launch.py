@@ -688,3 +688,10 @@ def test_a_checkpoint_url_without_its_fsspec_package_is_a_clear_error_with_resta
     assert run.returncode == 1, run.stderr
     assert "checkpoint storage 's3://bucket/ck' cannot be used: Install s3fs" in run.stderr
     assert "recovery.py" not in run.stderr and "restart" not in run.stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_same_port_for_metrics_and_dashboard_is_a_usage_error(tmp_path, launched):
+    job = _job(tmp_path, "job.py", "def main(worker):\n    pass\n")
+    run = _launch(launched, "-w", "1", "--metrics-port", "9123", "--dashboard", "9123", job)
+    assert run.returncode == 2 and "--metrics-port and --dashboard are both 9123" in run.stderr

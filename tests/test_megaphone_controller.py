@@ -384,3 +384,29 @@ def test_a_copy_request_the_control_input_refuses_leaves_the_step_queued():
     copied.frontier = 7  # the copy is staged
     control.time = 7
     assert ctl.tick() and control.sent == [(7, {0: 1})]
+
+
+def _closed_control_job(worker):
+    import megaphone
+
+    errors = []
+    with worker.dataflow() as scope:
+        control = megaphone.ControlInput(scope, k=2, name="C")
+        data = scope.new_input()
+        machine = megaphone.state_machine(data.stream, control, 0, lambda k, v, s: (v, [(k, v)]))
+    control.close()
+    data.close()
+    for attempt in (lambda: control.move(1, 0), lambda: control.install([0] * 4)):
+        try:
+            attempt()
+        except timely.InputError as e:
+            errors.append(str(e))
+    worker.step_while(lambda: not machine.probe.done(), timeout=STEP_TIMEOUT)
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_control_input_refuses_moves_and_tables_without_remembering_them():
+    # The move was recorded before the closed input refused it: the table after it then failed
+    # with "a routing table at time 1 must be the first and only one of its time".
+    assert timely.execute(_closed_control_job) == [["control input 'C' is closed"] * 2]

@@ -317,6 +317,8 @@ def _check_observe(opts: argparse.Namespace) -> dict[str, Any] | None:
         raise _UsageError(f"--metrics-port must be a port number, not {opts.metrics_port}")
     if opts.dashboard is not None and not 0 <= opts.dashboard < 65536:
         raise _UsageError(f"--dashboard must be a port number, not {opts.dashboard}")
+    if opts.dashboard is not None and opts.dashboard == opts.metrics_port and opts.dashboard != 0:
+        raise _UsageError(f"--metrics-port and --dashboard are both {opts.dashboard}: give them different ports")
     if not opts.metrics_interval > 0:
         raise _UsageError(f"--metrics-interval must be a positive number of seconds, not {opts.metrics_interval:g}")
     if (opts.metrics_port is not None or opts.autobalance is not None or opts.dashboard is not None) and opts.hostfile:
