@@ -215,6 +215,12 @@ def test_dashboard_api(tmp_path, monkeypatch):
         assert status == 400 and "99" in reply["error"]
         assert api(url + "api/rebalance", {"balanced": True, "strategy": "nope"})[1]["error"].startswith("unknown strategy")
         assert api(url + "api/rebalance", b"[1, 2]")[0] == 400
+        # Deep nesting (a RecursionError, not a ValueError) is a 400 with its reason, not an HTML 500;
+        # moves beyond any job's bins are refused before they reach worker 0's thread.
+        status, reply = api(url + "api/rebalance", b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+        assert status == 400 and reply["error"] == "the request must be a JSON object"
+        status, reply = api(url + "api/rebalance", {"moves": [[0, 0]] * ((1 << 16) + 1)})
+        assert status == 400 and "moves has 65537 entries: a job has at most 65536 bins" in reply["error"]
         assert api(url + "api/state", host="attacker.example")[0] == 403
         status, reply = api(url + "api/rebalance", {"moves": [[3, 1 - owner]], "strategy": "fluid"})
         assert status == 200 and reply["ok"] and reply["moves"] == 1

@@ -314,3 +314,32 @@ def test_a_worker_running_dataflow_after_dataflow_reports_a_bounded_snapshot(mon
         assert sum(r[3] for r in rows) == 2 * sum(done)
         assert all(v["records_in_per_s"] == 0.0 for v in view if v["index"] == core.FOLDED_INDEX)
     assert len(seen[-1][0]) == 4 * 3 + 1  # (input, map, probe) per dataflow kept, and the folded row
+
+
+def test_a_dataflow_built_between_two_reports_has_rates_from_zero():
+    """Rows the previous report lacked are dataflows built since (labels are never reused): their
+    counters started at 0, so all they did counts in the interval. They read 0 before, which made a
+    worker running dataflows shorter than the interval look idle."""
+    from timely.metrics.hub import Hub
+
+    hub = Hub(None, 1)
+    try:
+        def snap(mono: float, rows: list) -> dict:
+            return {"worker": 0, "time": mono, "mono": mono, "operators": rows, "received_bytes": 0,
+                    "backlog_bytes": 0, "lags": {}, "sources": {}}
+
+        # rows: [dataflow, index, operator, records_in, records_out, busy_seconds, activations]
+        hub.put(snap(10.0, [["short-1", 0, "Map", 100, 100, 0.4, 3]]))
+        hub.put(snap(11.0, [["short-1", 0, "Map", 100, 100, 0.4, 3], ["short-2", 0, "Map", 50, 50, 0.5, 2]]))
+        view = hub.view()
+        rates = {o["dataflow"]: (o["records_in_per_s"], o["busy_ms_per_s"]) for o in view["operators"]}
+        assert rates == {"short-1": (0.0, 0.0), "short-2": (50.0, 500.0)}
+        assert view["workers"][0]["busy_ms_per_s"] == 500.0
+    finally:
+        hub.close()
+
+
+@pytest.mark.parametrize("interval", [0, -1.0, "1", float("nan"), True])
+def test_a_metrics_interval_that_would_spin_or_stop_the_reporter_is_refused(interval):
+    with pytest.raises(ValueError, match="metrics interval must be a positive number of seconds"):
+        MetricsConfig(interval=interval)

@@ -11,6 +11,7 @@ with the reason, and the job runs on.
 """
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import sys
@@ -23,6 +24,11 @@ from werkzeug.serving import make_server
 
 STATIC = Path(__file__).with_name("static")
 
+
+#: The largest rebalance request body served (bytes): a table or moves for 2^16 bins fit well.
+MAX_REQUEST_BYTES = 4 << 20
+#: At most this many bins in a job (megaphone.table.MAX_K = 16).
+MAX_BINS = 1 << 16
 
 class Steering(Protocol):
     """What a library offers the dashboard: a thread-safe ``status()`` and ``submit(request, timeout)``
@@ -86,6 +92,7 @@ class Dashboard:
 
     def _app(self) -> Flask:
         app = Flask("timely.dashboard", static_folder=None)
+        app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES  # (413 beyond: a table of 2^16 bins needs < 1 MB)
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request on the job's stderr
 
         @app.before_request
@@ -115,9 +122,16 @@ class Dashboard:
         def rebalance() -> Any:
             if self.steering is None:
                 return jsonify({"ok": False, "error": "this job has no migratable operator connected"}), 409
-            req = request.get_json(silent=True)
+            try:
+                req = json.loads(request.get_data()) if request.is_json else None
+            except (ValueError, RecursionError):  # (deep nesting is a RecursionError, not a ValueError)
+                req = None
             if not isinstance(req, dict):
                 return jsonify({"ok": False, "error": "the request must be a JSON object"}), 400
+            for key in ("moves", "table"):  # checked here, not on the worker's thread, whatever their size
+                if isinstance(req.get(key), list) and len(req[key]) > MAX_BINS:
+                    return jsonify({"ok": False, "error": f"{key} has {len(req[key])} entries: a job has at most "
+                                                          f"{MAX_BINS} bins"}), 400
             ok, reply = self.steering.submit(req, 10.0)
             return jsonify({"ok": ok, **reply}), 200 if ok else 400
 

@@ -50,6 +50,9 @@ def _start(metrics: WorkerMetrics, worker: Any, config: MetricsConfig) -> None:
     """Start what ``config`` asks for, recording each thing in ``metrics`` as soon as it runs (so
     that ``metrics.close()`` stops it)."""
     if worker.index == 0:
+        if worker.peers > 1 and config.hub is None:
+            sys.stderr.write(f"timely.metrics: warning: MetricsConfig has no hub address for {worker.peers} workers: "
+                             "only worker 0's metrics are collected (give hub='ipc://...' or 'tcp://127.0.0.1:PORT')\n")
         try:
             metrics.hub = Hub(config.hub if worker.peers > 1 else None, worker.peers)
         except OSError as e:

@@ -61,6 +61,12 @@ class MetricsConfig:
     host: str = "127.0.0.1"
     autobalance: dict | None = None
 
+    def __post_init__(self) -> None:
+        interval = self.interval
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < float("inf"):
+            # (0 would make every worker's reporter thread spin; a string would end it silently)
+            raise ValueError(f"metrics interval must be a positive number of seconds, not {interval!r}")
+
     def to_env(self) -> str:
         """This configuration as the value of :data:`ENV`."""
         return json.dumps(self.__dict__)

@@ -217,8 +217,10 @@ class Hub:
             busy = 0.0
             for row in new["operators"]:
                 o = old_ops.get((row[0], row[1]))
-                # (the folded row of dataflows completed earlier grows only by folding: no rate)
-                rates = [_rate(row[i], o[i], dt) if o is not None and row[1] != FOLDED_INDEX else 0.0
+                # (the folded row of dataflows completed earlier grows only by folding: no rate; a
+                # row the previous report lacked is a dataflow built since, its counters from 0:
+                # dataflows shorter than the interval did all their work between two reports)
+                rates = [0.0 if old is None or row[1] == FOLDED_INDEX else _rate(row[i], o[i] if o is not None else 0, dt)
                          for i in (3, 4, 5)]
                 busy += rates[2]
                 ops.append({"worker": w, "dataflow": row[0], "index": row[1], "operator": row[2],

@@ -5,6 +5,8 @@ const color = (w) => COLORS[((w % COLORS.length) + COLORS.length) % COLORS.lengt
 const $ = (id) => document.getElementById(id);
 const fmt = (x) => (x >= 100 ? Math.round(x).toLocaleString("en") : (Math.round(x * 10) / 10).toString());
 const HISTORY = 120;
+// Names (operators, dataflows) are the job's text: escaped wherever they go into markup.
+const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/"/g, "&quot;");
 
 const workersChart = new Chart($("workers-chart"), {
   type: "bar", data: { labels: [], datasets: [{ label: "busy ms/s", data: [], backgroundColor: [] }] },
@@ -38,7 +40,7 @@ function drawGraph(graph, rates) {
     for (const [i, name] of nodes) {
       const [x, y] = at(i), r = rates[df + "/" + i] || 0;
       html += `<g><rect x="${x}" y="${y}" width="130" height="26" rx="4" fill="#e8eef7" stroke="#23395d"/>` +
-        `<text x="${x + 4}" y="${y + 11}" font-size="9">${name.slice(0, 26).replace(/</g, "&lt;")}</text>` +
+        `<text x="${x + 4}" y="${y + 11}" font-size="9">${esc(name.slice(0, 26))}</text>` +
         `<text x="${x + 4}" y="${y + 22}" font-size="9" fill="#555">${fmt(r)} rec/s</text></g>`;
     }
     row += Math.max(...Object.values(perDepth), 1) + 1;
@@ -103,7 +105,7 @@ async function refresh() {
     p.inr += o.records_in_per_s; p.outr += o.records_out_per_s; p.busy += o.busy_ms_per_s;
   }
   for (const p of Object.values(perOp))
-    rows.push(`<tr><td>${p.df}</td><td>${p.name.replace(/</g, "&lt;")}</td><td>${fmt(p.inr)}</td><td>${fmt(p.outr)}</td><td>${fmt(p.busy)}</td></tr>`);
+    rows.push(`<tr><td>${esc(p.df)}</td><td>${esc(p.name)}</td><td>${fmt(p.inr)}</td><td>${fmt(p.outr)}</td><td>${fmt(p.busy)}</td></tr>`);
   $("operators").tBodies[0].innerHTML = rows.join("");
   $("records-total").textContent = String(total);
   $("total-rate").textContent = fmt(rate);
