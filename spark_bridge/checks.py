@@ -47,6 +47,10 @@ def _optional(check: Check) -> Check:
     return lambda v: v is None or check(v)
 
 
+def _list(item: Check) -> Check:
+    return lambda v: isinstance(v, list) and all(item(x) for x in v)
+
+
 def _pairs(first: Check, second: Check) -> Check:
     return lambda v: isinstance(v, list) and all(
         isinstance(p, list) and len(p) == 2 and first(p[0]) and second(p[1]) for p in v)
@@ -59,7 +63,7 @@ _COORDINATOR: dict[str, dict[str, Check]] = {
     Request.HELLO: {"worker": _nat, "endpoint": _text, "generation": _text, "job": _optional(_text)},
     Request.PLAN: {"stream": _text, "kind": _text, "schema": _optional(_pairs(_text, _text)), "key": _optional(_text)},
     Request.COMMIT: {"stream": _text, "query": _text, "batch": _nat, "tokens": _tokens, "final": _optional(_flag),
-                     "progress": _optional(_flag)},
+                     "progress": _optional(_flag), "generations": _optional(_list(_text))},
     Request.ABORT: {"stream": _text, "query": _text, "batch": _nat, "tokens": _optional(_tokens),
                     "final": _optional(_flag)},
     Request.CLOSE: {"stream": _text},

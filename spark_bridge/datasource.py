@@ -192,8 +192,11 @@ def _tokens(messages: list) -> list:
 def _commit(plan: WritePlan, messages: list, batch: int) -> dict:
     # Sent again while unanswered: a batch is decided once, and a cluster that restarted from a
     # checkpoint answers a batch it logged as a duplicate (see spark_bridge.durable).
+    # The workers' generations the rows were staged with: a job restarted since (new workers, the
+    # staged rows gone) refuses the commit rather than publish an epoch without them.
     return plan.coordinator.request_until_answered(
-        Request.COMMIT, stream=plan.stream, query=plan.query, batch=batch, tokens=_tokens(messages), final=plan.final)
+        Request.COMMIT, stream=plan.stream, query=plan.query, batch=batch, tokens=_tokens(messages), final=plan.final,
+        generations=[str(g) for _, g in plan.endpoints])
 
 
 def _abort(plan: WritePlan, messages: list, batch: int) -> None:

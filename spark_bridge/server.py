@@ -244,6 +244,14 @@ class BridgeServer:
             strangers = sorted({w for _, per in tokens for w, _ in per if w >= self.peers})
             if strangers:
                 return f"stream '{src.name}': a commit lists rows on workers {strangers} of a {self.peers}-worker job"
+            generations = req.get("generations")
+            if generations is not None:  # the other workers' shares: staged by the processes running now?
+                now = [str(g) for _, g in self.registry.plan()]
+                gone = sorted({w for _, per in tokens for w, rows in per
+                               if rows and (w >= len(generations) or generations[w] != now[w])})
+                if gone:
+                    return (f"stream '{src.name}': the timely job restarted since the rows were staged (workers "
+                            f"{gone} are new processes; what was staged there is gone)")
             return next((why for _, _, why in src.staging.unstaged(query, batch, tokens)), None)
 
         return self._decide(req, lambda src: src.ledger.request_commit(

@@ -358,3 +358,62 @@ def test_the_launchers_stage_failure_line_names_the_python_error_of_the_task():
     line = stage_failure(spark_error)
     assert line.startswith("ModuleNotFoundError: No module named 'zmq'") and "PYSPARK_PYTHON" in line, line
     assert stage_failure(RuntimeError("first line\nsecond")) == "RuntimeError: first line"
+
+
+def _restart_job(worker):
+    """Two workers read stream 'events' through the coordinator at SPARK_REVIEW_EP; return the rows."""
+    import os
+
+    got: list = []
+    with worker.dataflow() as scope:
+        events = spark_bridge.source(scope, "events", SCHEMA, coordinator=os.environ["SPARK_REVIEW_EP"])
+        events.inspect(lambda r: got.append(tuple(r)))
+    worker.finish()
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_across_a_restart_of_the_job_is_refused_when_only_other_workers_held_its_rows(monkeypatch):
+    """Rows staged on worker 1 only; the job restarts (new processes, nothing staged) on the same
+    coordinator endpoint before Spark's commit arrives: the commit is refused. It was accepted and
+    reported as 5 rows applied (worker 0 checked only its own share), and the rows were lost."""
+    import pyarrow as pa
+
+    from timely.cluster import free_loopback_ports
+
+    (port,) = free_loopback_ports(1)
+    ep = f"tcp://127.0.0.1:{port}"
+    monkeypatch.setenv("SPARK_REVIEW_EP", ep)
+
+    def start() -> tuple[threading.Thread, dict]:
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault(
+            "result", timely.execute(_restart_job, workers=2, start="spawn", timeout=60)), daemon=True)
+        t.start()
+        deadline = time.monotonic() + 40
+        while True:
+            try:
+                if all(spark_bridge.status(ep, timeout=1)["endpoints"]):
+                    return t, box
+            except BridgeError:
+                pass
+            assert time.monotonic() < deadline, "the job did not serve the bridge"
+            time.sleep(0.2)
+
+    first, _ = start()
+    keys = [k for k in range(200) if owners(pa.array([k], pa.int64()), 2)[0] == 1][:5]
+    opts = {"endpoint": ep, "stream": "events", "keyColumn": "key", "timeout": "5"}
+    plan = D._plan_write(opts, SCHEMA, False, "write-restart", 0)
+    message = D._write(plan, iter([batch(keys)]), 0)
+    assert message.rows == [0, 5]
+    spark_bridge.shutdown(ep, timeout=5)
+    first.join(60)
+    second, box = start()
+    try:
+        with pytest.raises(BridgeError, match=r"the timely job restarted since the rows were staged \(workers \[1\]"):
+            D._commit(plan, [message], 0)
+        assert spark_bridge.status(ep)["stats"]["events"]["rows"] == 0
+    finally:
+        spark_bridge.shutdown(ep, timeout=5)
+        second.join(60)
+    assert box["result"] == [[], []]
