@@ -331,7 +331,7 @@ class BatchInput:
                 lengths[c] = len(values)
             except TypeError:
                 raise ValueError(f"input '{name}': column {c!r} is not a sequence of values: {values!r:.100}") from None
-        first = self.schema.names[0]
+        first = self.schema.names[0] if self.schema.names else ""  # (a schema of no columns: no rows)
         for c, n in lengths.items():
             if n != lengths[first]:
                 raise ValueError(f"input '{name}': column {c!r} has {n} values, column {first!r} {lengths[first]}")
