@@ -47,6 +47,10 @@ _SECRET_HINT = "(a job with a secret answers only clients given the same one: op
 _ctx: zmq.Context | None = None
 _ctx_pid: int | None = None
 _links: dict[tuple, WorkerLink] = {}  # (thread, endpoint, secret) -> link: ZeroMQ sockets are not thread-safe
+#: Links a thread keeps open at most (the least recently used is closed for a new one): each timely
+#: job, and each restart of one, has new data endpoints, and a long-lived process (a reused Spark
+#: Python worker, a notebook) would otherwise run out of file descriptors.
+MAX_LINKS_PER_THREAD = 64
 
 
 _ctx_lock = threading.Lock()  # held to create the context (threads making their first call at once)
@@ -260,8 +264,13 @@ class WorkerLink:
             link.discard()
             link = None
         if link is None:
+            mine = [k for k in _links if k[0] == key[0]]  # (in the order last used)
+            for old in mine[:max(0, len(mine) - MAX_LINKS_PER_THREAD + 1)]:
+                _links[old].discard()  # this thread's own: no other thread uses its sockets
             link = _links[key] = WorkerLink(endpoint, secret)
             link.key = key
+        else:
+            _links[key] = _links.pop(key)  # the most recently used last
         return link
 
     def discard(self) -> None:

@@ -417,3 +417,41 @@ def test_a_commit_across_a_restart_of_the_job_is_refused_when_only_other_workers
         spark_bridge.shutdown(ep, timeout=5)
         second.join(60)
     assert box["result"] == [[], []]
+
+
+@pytest.mark.timeout(120)
+def test_a_thread_keeps_a_bounded_number_of_worker_links_open():
+    """Each timely job has new data endpoints: a long-lived client that talked to 300 jobs one after
+    another kept 300 sockets (1,023 exhausted the file descriptors); now the newest 64."""
+    import os
+
+    import zmq
+
+    from spark_bridge.client import MAX_LINKS_PER_THREAD, request_worker
+    from spark_bridge.protocol import Op
+
+    ctx = zmq.Context()
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        for _ in range(300):
+            server = ctx.socket(zmq.ROUTER)
+            server.setsockopt(zmq.LINGER, 0)
+            server.bind("tcp://127.0.0.1:*")
+            endpoint = server.getsockopt_string(zmq.LAST_ENDPOINT)
+
+            def answer(server=server):
+                ident, _op, key, _body = server.recv_multipart()
+                server.send_multipart([ident, Op.STATUS_REPLY, key, P.pack(P.ok())])
+
+            t = threading.Thread(target=answer)
+            t.start()
+            request_worker(endpoint, 0, Op.STATUS, {"sink": "x"}, 5)  # one job's worker, answering
+            t.join(10)
+            server.close()  # ... and the job ends
+        mine = [k for k in client._links if k[0] == threading.get_ident()]
+        assert len(mine) == MAX_LINKS_PER_THREAD
+        assert len(os.listdir("/proc/self/fd")) < before + 2 * MAX_LINKS_PER_THREAD
+    finally:
+        for key in [k for k in client._links if k[0] == threading.get_ident()]:
+            client._links[key].discard()
+        ctx.term()
