@@ -415,3 +415,21 @@ def test_a_schema_of_no_columns_takes_an_empty_mapping():
         return True
 
     assert timely.execute(main) == [True]
+
+
+def test_filter_refuses_view_columns_when_the_stream_is_built():
+    # The check on an empty batch passed (no filter kernel runs on zero rows): the job failed on
+    # its first batch instead.
+    from timely.errors import BuildError
+
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = columnar.new_input(scope, pa.schema([("k", pa.int64()), ("s", pa.string_view())]))
+            with pytest.raises(BuildError, match=r"filter does not take string_view or binary_view columns yet "
+                                                 r"\(column 's'\)"):
+                inp.stream.filter(pc.field("k") > 1)
+        inp.close()
+        worker.finish()
+        return True
+
+    assert timely.execute(main) == [True]

@@ -153,6 +153,10 @@ class BatchStream:
                              f"not {type(predicate).__name__}")
         node = ac.FilterNodeOptions(predicate)
         if self.schema is not None:
+            views = [f.name for f in self.schema if pa.types.is_string_view(f.type) or pa.types.is_binary_view(f.type)]
+            if views:  # (the check below on an empty batch passes: Acero has no filter kernel for them)
+                raise BuildError(f"operator '{name}': filter does not take string_view or binary_view columns yet "
+                                 f"(column {views[0]!r}): cast them to large_string or large_binary first")
             try:
                 _run(_empty(self.schema), "filter", node)
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, KeyError) as e:
