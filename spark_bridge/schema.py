@@ -133,7 +133,7 @@ class _Parser:
                 n = self.name()
                 if self.peek() == ":":
                     self.take(":")
-                fields.append(f"{n}:{self.type()}")
+                fields.append(f"{_quote(n)}:{self.type()}")  # (quoted as it was: `a b`, `c,d`)
                 self._skip_not_null()
                 if self.peek() == ",":
                     self.take(",")
@@ -176,7 +176,7 @@ def parse(schema: Any) -> list[Field]:
             text = text[len("struct<"):-1]
         fields = _Parser(text).fields()
     elif hasattr(schema, "fields") and hasattr(schema, "simpleString"):  # pyspark StructType
-        fields = [(f.name, _Parser(f.dataType.simpleString()).type()) for f in schema.fields]
+        fields = [(f.name, _Parser(_spark_type_text(f.dataType)).type()) for f in schema.fields]
     elif _is_arrow_schema(schema):
         fields = [(f.name, from_arrow_type(f.type)) for f in schema]
     else:
@@ -215,6 +215,21 @@ def _is_arrow_schema(obj: Any) -> bool:
     return isinstance(obj, pa.Schema)
 
 
+def _spark_type_text(dt: Any) -> str:
+    """A pyspark ``DataType`` as a type string the parser reads: ``simpleString()``, but with the
+    names of nested struct fields quoted (Spark's own leaves ``struct<a b:int>`` unquoted)."""
+    fields = getattr(dt, "fields", None)
+    if fields is not None:  # StructType
+        return "struct<" + ",".join(f"{_quote(f.name)}:{_spark_type_text(f.dataType)}" for f in fields) + ">"
+    element = getattr(dt, "elementType", None)
+    if element is not None:  # ArrayType
+        return f"array<{_spark_type_text(element)}>"
+    key = getattr(dt, "keyType", None)
+    if key is not None:  # MapType
+        return f"map<{_spark_type_text(key)},{_spark_type_text(dt.valueType)}>"
+    return str(dt.simpleString())
+
+
 def ddl(fields: Sequence[Field]) -> str:
     """The Spark DDL string of a normalised schema (``"key bigint, value double"``)."""
     return ", ".join(f"{_quote(n)} {t}" for n, t in fields)
@@ -250,14 +265,19 @@ def mismatch(stream: str, declared: Sequence[Field], actual: Sequence[Field], si
 
 
 # -- arrow -----------------------------------------------------------------------------------------
-def _split_top(s: str) -> list[str]:
-    parts, depth, cur = [], 0, ""
+def _split_top(s: str, sep: str = ",") -> list[str]:
+    """``s`` cut at each ``sep`` outside brackets and backquoted names."""
+    parts, depth, cur, quoted = [], 0, "", False
     for ch in s:
-        if ch in "<(":
+        if ch == "`":
+            quoted = not quoted  # (a doubled `` inside a name toggles twice)
+        elif quoted:
+            pass
+        elif ch in "<(":
             depth += 1
         elif ch in ">)":
             depth -= 1
-        if ch == "," and depth == 0:
+        if ch == sep and depth == 0 and not quoted:
             parts.append(cur)
             cur = ""
         else:
@@ -289,8 +309,9 @@ def arrow_type(t: str) -> pa.DataType:
     if t.startswith("struct<"):
         fields = []
         for part in _split_top(t[7:-1]):
-            n, _, ft = part.partition(":")
-            fields.append(pa.field(n.strip("`"), arrow_type(ft)))
+            n, ft = _split_top(part, ":")[0], ":".join(_split_top(part, ":")[1:])
+            n = n.strip()
+            fields.append(pa.field(n[1:-1].replace("``", "`") if n.startswith("`") else n, arrow_type(ft)))
         return pa.struct(fields)
     raise SchemaError(f"no Arrow type for Spark type {t!r}")
 
@@ -326,7 +347,7 @@ def from_arrow_type(t: pa.DataType) -> str:
     if pt.is_list(t) or pt.is_large_list(t):
         return f"array<{from_arrow_type(t.value_type)}>"
     if pt.is_struct(t):
-        return "struct<" + ",".join(f"{t.field(i).name}:{from_arrow_type(t.field(i).type)}"
+        return "struct<" + ",".join(f"{_quote(t.field(i).name)}:{from_arrow_type(t.field(i).type)}"
                                     for i in range(t.num_fields)) + ">"
     raise SchemaError(f"Arrow type {t} has no Spark equivalent supported by the bridge")
 

@@ -191,3 +191,22 @@ def test_sink_records_that_do_not_fit_the_schema_fail_the_job_clearly():
         job.thread.join(10)
         assert isinstance(job.error, timely.OperatorError)
         assert "SparkSink[bad]" in str(job.error) and "column 'key' (bigint)" in str(job.error)
+
+
+def test_nested_field_names_that_need_quotes_keep_them():
+    """`a b` and `c,d` inside a struct: the DDL sent to Spark, a re-parse of it, the Arrow schema
+    and a Spark StructType all keep the names (the quotes were dropped: Spark could not parse the
+    DDL, and a StructType failed as "unsupported type 'b'")."""
+    import pyarrow as pa
+
+    from spark_bridge import schema as S
+
+    fields = S.parse("s struct<`a b`: int, `c,d`: bigint>")
+    assert fields == [("s", "struct<`a b`:int,`c,d`:bigint>")]
+    assert S.parse(S.ddl(fields)) == fields
+    assert S.arrow_schema(fields).field("s").type == pa.struct([("a b", pa.int32()), ("c,d", pa.int64())])
+    assert S.parse(S.arrow_schema(fields)) == fields
+    types = pytest.importorskip("pyspark.sql.types")
+    spark = types.StructType([types.StructField("s", types.StructType([
+        types.StructField("a b", types.IntegerType()), types.StructField("c,d", types.LongType())]))])
+    assert S.parse(spark) == fields
