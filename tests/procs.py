@@ -17,6 +17,15 @@ def become_subreaper() -> None:
     ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
+def alive(pid: int) -> bool:
+    """True if ``pid`` runs (an exited orphan is our zombie until reaped: not alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def children(pid: int) -> list[tuple[int, str]]:
     """(pid, state) of every process whose parent is ``pid`` (from /proc; zombies included)."""
     out = []

@@ -14,7 +14,7 @@ import textwrap
 import time
 
 import pytest
-from procs import children, new_children, no_leftover_children
+from procs import alive, children, new_children, no_leftover_children
 
 import timely
 from timely.cluster import WorkerError, WorkerOperatorError
@@ -212,22 +212,13 @@ def test_spawned_workers_end_with_their_caller(tmp_path, no_leftovers, sig):
         os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
         proc.wait(20)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        while time.monotonic() < deadline and any(alive(pid) for pid in pids):
             time.sleep(0.05)
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(alive(pid) for pid in pids)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
-
-
-def _alive(pid: int) -> bool:
-    """True if ``pid`` runs (an exited orphan is our zombie until reaped: not alive)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # -- the job secret --------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import textwrap
 import time
 
 import pytest
+from procs import alive
 
 import timely
 from timely.cluster import WorkerError, WorkerOperatorError, execute_cluster
@@ -250,15 +251,7 @@ def test_interrupt_stops_every_worker(tmp_path, launched, sig, status):
     proc = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     launched.append(proc)
-    seen = b""
-    deadline = time.monotonic() + 20
-    while seen.count(b"ready") < 2 and time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            chunk = os.read(proc.stdout.fileno(), 4096)  # unbuffered: select must see what is left
-            if not chunk:
-                break
-            seen += chunk
-    assert seen.count(b"ready") == 2, seen
+    _wait_ready(proc)
     if sig == signal.SIGINT:
         os.killpg(proc.pid, sig)  # what Ctrl-C in a terminal does: the whole foreground group
     else:
@@ -434,15 +427,7 @@ def test_hangup_stops_every_worker_and_removes_the_socket_folder(tmp_path, launc
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             env={**os.environ, "TMPDIR": str(tmp_path)})
     launched.append(proc)
-    seen = b""
-    deadline = time.monotonic() + 20
-    while seen.count(b"ready") < 2 and time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            seen += chunk
-    assert seen.count(b"ready") == 2, seen
+    _wait_ready(proc)
     assert [p for p in tmp_path.iterdir() if p.is_dir()]  # the ipc socket folder exists while it runs
     proc.send_signal(signal.SIGHUP)
     _, err = proc.communicate(timeout=20)
@@ -609,30 +594,28 @@ def main(worker):
 '''
 
 
+def _wait_ready(proc: subprocess.Popen, workers: int = 2) -> bytes:
+    """What the launcher printed until every worker printed "ready" (asserted, within 20 s)."""
+    seen = b""
+    deadline = time.monotonic() + 20
+    while seen.count(b"ready") < workers and time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            chunk = os.read(proc.stdout.fileno(), 4096)  # unbuffered: select must see what is left
+            if not chunk:
+                break
+            seen += chunk
+    assert seen.count(b"ready") == workers, seen
+    return seen
+
+
 def _start_and_wait_ready(tmp_path, launched, source: str) -> tuple[subprocess.Popen, list[int]]:
     job = _job(tmp_path, "job.py", source)
     proc = subprocess.Popen([sys.executable, "-m", "timely.launch", "-w", "2", job], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     launched.append(proc)
-    seen = b""
-    deadline = time.monotonic() + 20
-    while seen.count(b"ready") < 2 and time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            seen += chunk
-    assert seen.count(b"ready") == 2, seen
+    seen = _wait_ready(proc)
     helpers = [int(line.split()[2]) for line in seen.decode().splitlines() if line.startswith("ready")]
     return proc, helpers
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(60)
@@ -646,7 +629,7 @@ def test_a_second_sigterm_during_the_stop_grace_kills_the_workers_and_exits(tmp_
     proc.communicate(timeout=20)
     assert proc.returncode == 143
     for pid in helpers:  # (the job's own helpers: not children of the launcher, killed here)
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -660,9 +643,9 @@ def test_ctrl_c_stops_the_programs_the_job_started(tmp_path, launched):
     proc.communicate(timeout=20)
     assert proc.returncode == 130
     deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in helpers) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in helpers) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = [pid for pid in helpers if _alive(pid)]
+    left = [pid for pid in helpers if alive(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, "the job's helper processes survived Ctrl-C"
