@@ -273,26 +273,15 @@ class _RemoteChannel(Channel):
                 self._ship(worker)
 
     def _ship(self, worker: int) -> None:
-        """Send what is gathered for ``worker``: its pieces, then its unencoded records encoded (as
-        one more message where they do not fit the pieces' message)."""
-        bodies, raw, time = self._bodies[worker], self._raw[worker], self._times[worker]
-        assert bodies is not None
-        count, size = self._counts[worker], self._sizes[worker]
+        """Send what is gathered for ``worker``: its unencoded records are encoded and join its
+        pieces first (sending those that fill a message)."""
+        if self._raw[worker]:
+            self._seal(worker, self._times[worker])
+        bodies, count = self._bodies[worker], self._counts[worker]
         self._bodies[worker] = None
         self._counts[worker] = self._sizes[worker] = 0
-        push = self.pushers[worker].push_items
-        if raw:
-            self._raw[worker] = []
-            count -= len(raw)
-            for n, body in self._encoded(time, raw):
-                if bodies and size + len(body) > self._max_body:
-                    push(time, bodies, count)
-                    bodies, count, size = [], 0, 0
-                bodies.append(body)
-                count += n
-                size += len(body)
         if bodies:
-            push(time, bodies, count)
+            self.pushers[worker].push_items(self._times[worker], bodies, count)
 
 
 class ExchangeChannel(_RemoteChannel):
@@ -310,19 +299,11 @@ class ExchangeChannel(_RemoteChannel):
             record = routing.unroutable(batch, self.key)
             raise_with_context(e, f"operator '{self.op_name}': exchange key failed for record {record!r:.200} "
                                   f"at time {time!r}")
-        index, bodies, times, raw, counts = self.index, self._bodies, self._times, self._raw, self._counts
+        index = self.index
         for w, part in enumerate(parts):
             if part:
                 if w == index:
                     self.target.deliver(time, part)  # the local share skips the allocator
-                elif len(part) < EAGER_RECORDS and bodies[w] is not None and times[w] == time:
-                    gathered = raw[w]  # _gather's common case, inline: among many peers most parts are small
-                    gathered += part
-                    counts[w] += len(part)
-                    if len(gathered) >= EAGER_RECORDS:
-                        self._seal(w, time)
-                    elif counts[w] >= BUFFER_RECORDS:
-                        self._ship(w)
                 else:
                     self._gather(w, time, part)
         return len(batch)
