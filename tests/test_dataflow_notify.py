@@ -143,3 +143,42 @@ def test_a_notification_loop_left_early_delivers_the_rest_later(workers):
     results = timely.execute(main, workers=workers, timeout=60)
     delivered = sorted(r for result in results for _, records in result for r in records)
     assert delivered == sorted((t, w) for t in range(4) for w in range(workers))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("leave_early", [False, True])
+def test_a_time_requested_twice_and_given_back_as_a_timer_is_delivered_once(leave_early):
+    """Two requests for one time (one per batch, as ``notify_at(cap.retain())`` in the input loop
+    makes them): the first delivered capability is given back downgraded, a timer that fires again
+    later. The second request is still a duplicate of the time delivered (the duplicate check
+    compared with the given-back capability's new time, so it delivered the time twice and the
+    timer then fired twice per period)."""
+    import timely
+
+    def main(worker):
+        deliveries = []
+
+        def logic(inp, out, notificator):
+            for cap, _ in inp:
+                notificator.notify_at(cap.retain())
+            for cap in notificator:
+                deliveries.append(cap.time)
+                if cap.time < 200:
+                    cap.downgrade(cap.time + 100)
+                    notificator.notify_at(cap)
+                if leave_early:
+                    break
+
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            inp.stream.unary_notify(logic, name="Timer")
+        inp.send_batch([1])
+        inp.flush()
+        worker.step()
+        inp.send_batch([2])  # a second batch at time 0: a second request for it
+        inp.advance_to(1)
+        inp.close()
+        worker.step_while(worker.has_dataflows, timeout=STEP_TIMEOUT)
+        return deliveries
+
+    assert timely.execute(main, workers=1, timeout=60) == [[0, 100, 200]]

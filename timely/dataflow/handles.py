@@ -214,6 +214,9 @@ class OperatorOutput:
                 self._port.send(time, buf)
 
 
+_NONE = object()  # no time delivered yet (compares unequal to every time)
+
+
 class Notificator:
     """Delivers requested times once every input frontier has passed them, in time order.
 
@@ -249,12 +252,16 @@ class Notificator:
             self._pending = [c for c in self._pending if not self._complete(c.time)]
             ready.sort(key=lambda c: c.time)
             taken = 0  # ready[:taken] were delivered (or dropped as duplicates)
+            # The time last delivered, read before the loop body runs: a body may give its
+            # capability back downgraded (a timer), so the capability no longer says it.
+            delivered: Any = _NONE
             try:
                 for i, cap in enumerate(ready):
                     taken = i + 1
-                    if i and cap.time == ready[i - 1].time:
+                    if cap.time == delivered:
                         cap.drop()  # duplicate request for the same time: deliver once
                         continue
+                    delivered = cap.time
                     try:
                         yield cap
                     finally:
@@ -266,7 +273,7 @@ class Notificator:
                 # (invariant: otherwise its time would stay open for good). A duplicate of the
                 # time just delivered is dropped: a time is delivered once.
                 for cap in ready[taken:]:
-                    if taken and cap.time == ready[taken - 1].time:
+                    if cap.time == delivered:
                         cap.drop()
                     else:
                         self._pending.append(cap)
