@@ -211,3 +211,63 @@ def test_a_constructor_that_returns_no_logic_is_a_build_error_naming_the_operato
         return True
 
     assert timely.execute(main) == [True]
+
+
+def _numpy_time_capability_job(worker, make):
+    """An operator that delays its first input capability to ``make(cap)`` (a time from a numpy
+    array, say), drops the initial one, and emits from the delayed one after the input closed."""
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+
+        def constructor(cap0, info):
+            held = []
+
+            def logic(i, o):
+                for cap, batch in i:
+                    if not held:
+                        held.append(make(cap))
+                    o.give_batch(held[0], list(batch))
+                if cap0.live:
+                    cap0.drop()
+                if held and i.frontier.is_empty():  # the input is done: emit, then release
+                    o.give(held[0], "last")
+                    held.pop().drop()
+            return logic
+
+        captured = inp.stream.unary_frontier(constructor, name="Deadline").capture()
+    inp.send_batch([1, 2])
+    inp.close()
+    worker.step_while(worker.has_dataflows, timeout=10)
+    return [(type(t).__name__, t, recs) for t, recs in captured.extract()]
+
+
+def test_a_capability_at_a_numpy_time_holds_its_time_as_an_int():
+    """``cap.delayed(np.int64(10))`` was kept as a numpy time: the frontier's int fast path passed
+    it over, so once the int times were gone the time counted as complete while held (on one
+    worker the dataflow ended and the record sent later was lost; on two, msgpack failed)."""
+    for make in (lambda c: c.delayed(np.int64(10)), lambda c: _delayed(c.retain(), np.uint32(10)),
+                 lambda c: _downgraded(c.retain(), np.int16(10))):
+        for workers in (1, 2):
+            out = timely.execute(lambda w: _numpy_time_capability_job(w, make), workers=workers, timeout=60)
+            assert sorted(r for result in out for _, _, recs in result for r in map(str, recs)) == sorted(
+                ["1", "2", "last"] * workers)
+            assert all(name == "int" and t == 10 for result in out for name, t, _ in result)
+
+
+def _delayed(cap, time):
+    with cap:
+        return cap.delayed(time)
+
+
+def _downgraded(cap, time):
+    cap.downgrade(time)
+    return cap
+
+
+@pytest.mark.parametrize("time, why", [(10.5, r"10\.5 is not a time .*its float 10\.5"),
+                                       (True, r"True is not a time .*its bool True"),
+                                       ("10", r"'10' is not a time .*its str '10'"),
+                                       ((1, 2), r"time \(1, 2\) has 2 coordinate\(s\), but the operator's times have 1")])
+def test_a_capability_at_a_time_that_is_not_one_is_refused_naming_the_operator(time, why):
+    with pytest.raises(timely.WorkerError, match="CapabilityError.*operator 'Deadline': " + why):
+        timely.execute(lambda w: _numpy_time_capability_job(w, lambda c: c.delayed(time)), workers=1, timeout=60)

@@ -10,19 +10,39 @@ its changes there and nothing else (ARCHITECTURE 2.2: they travel in the step's 
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CapabilityError
 from ..progress.change_batch import ChangeBatch
 from ..progress.reachability import Source
-from ..progress.timestamp import MAX_COORDINATE, Summary, beyond_end, less_equal
+from ..progress.timestamp import MAX_COORDINATE, Summary, beyond_end, depth, less_equal
 
 
 def _beyond(name: str, time: Any) -> CapabilityError:
     """The error of a capability at a time no worker could send (see ``MAX_COORDINATE``)."""
     return CapabilityError(f"operator '{name}': time {time!r} has a coordinate beyond {MAX_COORDINATE} (2**64 - 1), "
                            "the largest a time can have (times travel between workers as 64-bit integers)")
+
+
+def _time(name: str, like: Any, time: Any) -> Any:
+    """``time`` as the engine keeps times, as deep as ``like``: an ``int``, or a tuple of ints in a
+    nested scope. An integer of another type (numpy's ``int64``) becomes an ``int``; anything else
+    (a float, a bool, a string) is refused. Invariant relied on: the progress tracker's frontiers
+    keep ints apart from other types (``MutableAntichain``'s int fast path), so a time of another
+    type would be passed over there, and its time taken as complete while it is held."""
+    if type(time) is not int and not (type(time) is tuple and all(type(x) is int for x in time)):
+        coordinates = time if isinstance(time, tuple) else (time,)
+        for x in coordinates:
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+                raise CapabilityError(f"operator '{name}': {time!r} is not a time (an int, or a tuple of ints in a "
+                                      f"nested scope): its {type(x).__name__} {x!r}")
+        time = tuple(int(x) for x in time) if isinstance(time, tuple) else int(time)
+    if depth(time) != depth(like):
+        raise CapabilityError(f"operator '{name}': time {time!r} has {depth(time)} coordinate(s), but the "
+                              f"operator's times have {depth(like)} (like {like!r})")
+    return time
 
 
 class Capability:
@@ -52,6 +72,7 @@ class Capability:
     def delayed(self, time: Any) -> Capability:
         """A new capability for a later (or equal) ``time`` on the same output."""
         self._check()
+        time = _time(self._name, self.time, time)
         if not less_equal(self.time, time):
             raise CapabilityError(
                 f"operator '{self._name}': cannot delay a capability at {self.time!r} to the earlier time {time!r}"
@@ -63,6 +84,7 @@ class Capability:
     def downgrade(self, time: Any) -> None:
         """Move this capability forward to ``time`` (in place)."""
         self._check()
+        time = _time(self._name, self.time, time)
         if not less_equal(self.time, time):
             raise CapabilityError(
                 f"operator '{self._name}': cannot downgrade a capability at {self.time!r} to the earlier time {time!r}"
@@ -162,6 +184,7 @@ class InputCapability:
         summaries = self.summaries(output)
         if not summaries:
             raise CapabilityError(f"operator '{info.name}': input {info.input} is not connected to output {output}")
+        time = _time(info.name, summaries[0].results_in(self.time), time)
         if not any(less_equal(s.results_in(self.time), time) for s in summaries):
             raise CapabilityError(
                 f"operator '{info.name}': cannot create a capability at {time!r} from an input "
