@@ -497,7 +497,9 @@ class PreCopier:
             copy.rleft -= len(keys)
             part, deleted = gather(copy.state, keys)  # one lookup a key, not TrackedState's: reaches nothing
             payload = codec.pack(part, [])
-            out.give_batch(self.round, [(copy.target, copy.b, payload, (copy.t0, self.shared.index), deleted)])
+            # The deleted keys travel pickled, as the state's do (a key need not be msgpack's: a date).
+            gone = pickle.dumps(deleted, protocol=pickle.HIGHEST_PROTOCOL) if deleted else b""
+            out.give_batch(self.round, [(copy.target, copy.b, payload, (copy.t0, self.shared.index), gone)])
             copy.sent += 1
             copy.rentries += len(keys)
             copy.rbytes += codec.nbytes(payload)
@@ -673,7 +675,7 @@ class Staging:
         # Its later chunks are ignored; it is forgotten once they have all come.
         self.ended: dict[tuple[int, tuple[Any, int]], int] = {}
 
-    def chunk(self, b: int, payload: Any, ident: tuple[Any, int], deleted: Any = ()) -> None:
+    def chunk(self, b: int, payload: Any, ident: tuple[Any, int], deleted: bytes = b"") -> None:
         """Stage one chunk of the copy ``ident`` (its time and source worker) of bin ``b``: entries,
         and for a replica's refresh the keys ``deleted`` since. A chunk of a copy already installed
         or dropped is ignored (a refresh not yet staged at its hand-over may arrive after it). Every
@@ -693,7 +695,7 @@ class Staging:
             state = copies[ident] = BinState()
         part, _ = self.shared.codec.unpack(payload)
         state.update(part)
-        for k in deleted:
+        for k in pickle.loads(deleted) if deleted else ():
             state.pop(k, None)
 
     def _unstage(self, b: int, ident: tuple[Any, int]) -> BinState | None:

@@ -128,7 +128,7 @@ class StateOperator:
                 if r[2] is None:  # the copy was replaced by one to another worker: (..., chunks it sent)
                     staging.drop(r[1], r[3], r[4])
                 else:
-                    staging.chunk(r[1], r[2], r[3], r[4] if len(r) > 4 else ())
+                    staging.chunk(r[1], r[2], r[3], r[4] if len(r) > 4 else b"")
         # 1. Install arriving state first (ARCHITECTURE 5.4: installed before any later record of the bin).
         for cap, batch in state_in:
             started = _time.perf_counter()
