@@ -400,6 +400,16 @@ class PreCopier:
             copy.cap = None
         return self._untrack(copy)
 
+    def close(self) -> None:
+        """End every copy and replica (no move can use them: the control input has ended), and the
+        refresh round; what their targets staged goes with the dataflow."""
+        for copy in list(self.copies.values()):
+            self._end(copy)
+            self.shared.log({"kind": "replica" if copy.replica else "precopy", "time": copy.t0, "bins": [copy.b],
+                             "to": [copy.target], "dropped": "the control input has ended",
+                             "worker": self.shared.index})
+        self._end_round_without_replicas()
+
     def _drop_record(self, copy: Copy) -> tuple:
         """The copy-edge record telling ``copy``'s target to drop it: (target, bin, no payload,
         identity, chunks sent)."""

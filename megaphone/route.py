@@ -73,6 +73,11 @@ class RoutingOperator:
         while self.to_extract and not self.probe.less_than(self.to_extract[0][0]):
             t, old, new, cap = self.to_extract.pop(0)
             self._extract(t, old, new, cap, state_out)
+        # Once the control input has ended and every move is shipped, no hand-over can use a copy
+        # ahead or a replica: they end here, instead of holding the dataflow open while their
+        # chunks go out at the copies' pace.
+        if self.precopier.copies and ctrl_frontier.is_empty() and not self.to_extract:
+            self.precopier.close()
         # 4. New data: route now if the configuration at its time is final, else stash it (ARCHITECTURE 5.3).
         #    The replicas' refreshes, when due, go at the time of the first record (megaphone.precopy).
         refresh = self.precopier.refresh_due()

@@ -409,3 +409,38 @@ def test_the_pace_averages_the_idle_time_over_a_window_not_the_last_gap():
     assert busy == pytest.approx(0.5, abs=0.01)
     assert smoothed_busy(0.0, 10.0, 13.0) == 1.0  # waiting for a CPU counts as busy; at most all
 
+
+
+def _copies_at_close_job(worker, replica: bool):
+    """A bin of 20,000 keys copied ahead (or replicated) to worker 1 at a pace that would take
+    minutes, then both inputs closed: the dataflow ends, and the copy is logged as dropped."""
+    import megaphone
+    import megaphone.precopy as pc
+
+    pc.MIN_ENTRIES, pc.CHUNK, pc.SHARE, pc.MAX_SHARE = 0, 4, 0.001, 0.001
+    with worker.dataflow() as scope:
+        data = scope.new_input()
+        control = ControlInput(scope, k=0)
+        m = megaphone.state_machine(data.stream, control, 0, lambda key, v, s: ((s or 0) + v, []), k=0)
+    data.send_batch([(i, 1) for i in range(20_000)] if worker.index == 0 else [])
+    data.advance_to(1)
+    control.advance_to(1)
+    worker.step_while(lambda: m.probe.less_equal(0), timeout=STEP_TIMEOUT)
+    if worker.index == 0:
+        (control.replicate if replica else control.precopy)({0: 1})
+    data.close()
+    control.close()
+    worker.step_while(worker.has_dataflows, timeout=STEP_TIMEOUT)
+    return len(m.state()), [e.get("dropped") for e in m.events if e["kind"] in ("precopy", "replica")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("replica", [False, True])
+def test_copies_end_when_the_control_input_ends(replica):
+    """No move can use a copy ahead or a replica once the control input has ended: F ends them
+    then (the dataflow waited until every chunk had gone out at the copies' pace: minutes here)."""
+    with no_leftover_children():
+        (held0, events0), (held1, events1) = timely.execute(
+            functools.partial(_copies_at_close_job, replica=replica), workers=2, timeout=90)
+    assert (held0, held1) == (20_000, 0)
+    assert events0 == ["the control input has ended"] and events1 == []
