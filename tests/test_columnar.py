@@ -327,7 +327,8 @@ def test_send_of_a_mapping_names_the_input_and_column() -> None:
             inp = columnar.new_input(scope, schema, name="In")
         errors = []
         for columns in ({"a": [1], "b": ["x"], "c": [9]}, {"a": [1, 2], "b": ["x"]}, {"a": [1]},
-                        {"a": 1, "b": "x"}, {"a": ["q"], "b": ["x"]}):
+                        {"a": 1, "b": "x"}, {"a": ["q"], "b": ["x"]}, {"a": [2**70], "b": ["x"]},
+                        {"a": [1], "b": [3]}):
             try:
                 inp.send(columns)
             except ValueError as e:
@@ -337,12 +338,15 @@ def test_send_of_a_mapping_names_the_input_and_column() -> None:
         return errors
 
     (errors,) = timely.execute(main, workers=1, timeout=60)
-    assert [e.split(":", 1)[0] for e in errors] == ["input 'In'"] * 5
+    assert [e.split(":", 1)[0] for e in errors] == ["input 'In'"] * 7
     assert "column 'c' is not in the schema" in errors[0]
     assert "column 'b' has 1 values, column 'a' 2" in errors[1]
     assert "column 'b' of the schema is missing" in errors[2]
     assert "column 'a' is not a sequence" in errors[3]
-    assert "do not fit the schema" in errors[4]
+    assert "column 'a' does not convert to int64: ArrowInvalid" in errors[4]
+    # An int beyond the type (a bare OverflowError before) and a value of another type, by column.
+    assert "column 'a' does not convert to int64: OverflowError" in errors[5]
+    assert "column 'b' does not convert to string: ArrowTypeError" in errors[6]
 
 
 def test_many_tiny_parts_stay_within_a_small_message_limit():

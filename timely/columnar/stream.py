@@ -339,9 +339,16 @@ class BatchInput:
         for c, n in lengths.items():
             if n != lengths[first]:
                 raise ValueError(f"input '{name}': column {c!r} has {n} values, column {first!r} {lengths[first]}")
+        arrays = []
+        for field in self.schema:
+            try:
+                arrays.append(pa.array(columns[field.name], type=field.type))
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
+                raise ValueError(f"input '{name}': column {field.name!r} does not convert to {field.type}: "
+                                 f"{type(e).__name__}: {e}") from None
         try:
-            return pa.RecordBatch.from_pydict(dict(columns), schema=self.schema)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, KeyError, ValueError) as e:
+            return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:  # (a non-nullable field's nulls)
             raise ValueError(f"input '{name}': columns do not fit the schema: {e}") from None
 
     def advance_to(self, time: Any) -> None:
