@@ -1,8 +1,11 @@
 """The schedule fuzzer: what it does to deliveries, and what it must never do."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
-from conftest import launch_counting_job, property_on_workers
+from conftest import ROOT, launch_counting_job, property_on_workers
 from hypothesis import strategies as st
 
 import timely
@@ -126,8 +129,51 @@ def test_an_operator_that_keeps_the_last_record_of_a_time_fails_under_some_seed(
 
 
 def test_the_launcher_takes_a_fuzz_seed(tmp_path):
+    """The counts are right under ``--fuzz``, and the workers run under the seed given (the counts
+    alone would pass with the option dropped)."""
     counted = launch_counting_job(tmp_path, 2, "--fuzz", "3")
     assert len(counted) == 2 and sum(counted) == 2 * 5 * 10
+    job = tmp_path / "seed.py"
+    job.write_text("import sys\n"
+                   "def main(worker):\n"
+                   "    sys.stdout.write(f'worker {worker.index} fuzz {worker.fuzz}\\n')\n")
+    out = subprocess.run([sys.executable, "-m", "timely.launch", "-w", "2", "--fuzz", "3", "--timeout", "60", str(job)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["worker 0 fuzz 3", "worker 1 fuzz 3"]
+
+
+def test_an_operator_that_assumes_it_runs_only_with_work_fails_under_some_seed():
+    """An operator that takes a run without data for a frontier that passed everything it holds is
+    right on the plain schedule; the fuzzer schedules operators whose data it holds back (one
+    random operator per step found it for 1-2 seeds in 20)."""
+
+    def idle_means_complete(stream):
+        def ctor(cap, info):
+            cap.drop()
+            pending = {}
+
+            def logic(inp, out):
+                got = False
+                for c, batch in inp:
+                    got = True
+                    if c.time not in pending:
+                        pending[c.time] = [c.retain(), 0]
+                    pending[c.time][1] += len(batch)
+                if not got:
+                    for t in sorted(pending):
+                        c, n = pending.pop(t)
+                        out.give(c, n)
+                        c.drop()
+
+            return logic
+
+        return stream.unary_frontier(ctor, name="IdleMeansComplete")
+
+    epochs = [list(range(6)), list(range(4)), list(range(5))]
+    expected = [(t, [len(recs)]) for t, recs in enumerate(epochs)]
+    assert run_epochs(idle_means_complete, epochs) == expected
+    assert sum(run_epochs(idle_means_complete, epochs, fuzz=seed) != expected for seed in range(20)) >= 3
 
 
 def test_bag_of_fuzzed_keyed_counts_matches_the_plain_run():

@@ -10,7 +10,7 @@ wrong on another. With ``fuzz=SEED`` (``timely.execute``, ``Worker``, ``python -
 * splits it at a random point into two batches, and delivers either one first (so records of
   one time arrive in any order, not only the order they were sent in),
 * releases what it holds in random order (across times too),
-* schedules random operators with nothing to do,
+* schedules each operator at random steps, with or without work,
 * and sends a busy step's gathered records and progress at random steps (a worker may send them
   at the end of any step; see ``Dataflow.step``).
 
@@ -30,8 +30,14 @@ from typing import Any, Protocol
 DELAY = 0.35
 #: Probability that a released batch of two or more records is split in two (the rest held again).
 SPLIT = 0.35
-#: Probability, per step, of scheduling one random operator.
-SPURIOUS = 0.25
+#: Probability, per step and operator, of scheduling the operator with or without work (each
+#: operator on its own: one random operator per step scheduled a given one too rarely to catch an
+#: operator that assumes it runs only with work, 1-2 seeds in 20).
+SPURIOUS = 0.2
+#: Probability that the operator of a batch held back is scheduled all the same: with part of its
+#: input in flight and nothing delivered, the moment an operator that assumes it runs only with
+#: complete work goes wrong.
+WAKE_HELD = 0.5
 #: Probability that a busy step sends what it gathered (records and progress) at its end.
 SEND = 0.5
 
@@ -67,11 +73,12 @@ class Fuzzer:
         return bool(self.held)
 
     def step(self, activate: Any) -> None:
-        """Deliver some held batches (some split) in random order, keep the others; maybe schedule
-        a random operator through ``activate(index)``."""
+        """Deliver some held batches (some split) in random order, keep the others; schedule each
+        operator with probability :data:`SPURIOUS` through ``activate(index)``."""
         rng = self.rng
-        if self.operators and rng.random() < SPURIOUS:
-            activate(rng.randrange(self.operators))
+        for index in range(self.operators):
+            if rng.random() < SPURIOUS:
+                activate(index)
         if not self.held:
             return
         held, self.held = self.held, []
@@ -79,6 +86,8 @@ class Fuzzer:
         for port, time, batch, n in held:
             if rng.random() < DELAY:
                 self.held.append((port, time, batch, n))
+                if rng.random() < WAKE_HELD:
+                    port.op.activate()
                 continue
             if n > 1 and len(batch) == n and rng.random() < SPLIT:
                 # Either part first: records of one time have no order either (the parts are copies:
