@@ -48,6 +48,16 @@ def draw_moves(data, k: int, workers: int, epochs: int) -> list[dict]:
                       label=f"moves{e}") for e in range(epochs)]
 
 
+def draw_moves_and_driver(data, k: int, workers: int, epochs: int):
+    """Moves (:func:`draw_moves`) and the driver: :func:`drive` (one epoch at a time, the bins
+    observed after each) or, as hypothesis draws, :func:`drive_pipelined` (every epoch in flight at
+    once, so the schedule fuzzer reorders batches across times; no move at epoch 0)."""
+    moves = draw_moves(data, k, workers, epochs)
+    if data.draw(st.booleans(), label="pipelined"):
+        return [{}] + moves[1:], drive_pipelined
+    return moves, drive
+
+
 def drive_pipelined(worker, data_inputs, control, handle, epochs, moves):
     """:func:`drive` with every epoch and move sent before the first step: nothing waits for an
     epoch to complete, so F compiles a move while S has earlier epochs still to finish, and only S's
@@ -193,7 +203,7 @@ def test_migrations_with_every_epoch_in_flight(workers, data):
     check_pipelined_migrations(workers, data)
 
 
-def timers_job(epochs, moves, k, delay):
+def timers_job(epochs, moves, k, delay, driver=drive):
     """A unary operator with timers: each record (key, v) at t is echoed at t + delay through a
     timer (data travels with the bin), and a per-key total is kept in the bin's state."""
 
@@ -206,7 +216,7 @@ def timers_job(epochs, moves, k, delay):
             out.append(("echo", key, v, state[key] >= v))
         return out
 
-    return megaphone_job(epochs, moves, k, lambda s, control: megaphone.unary(s[0], control, 0, fold))
+    return megaphone_job(epochs, moves, k, lambda s, control: megaphone.unary(s[0], control, 0, fold), driver=driver)
 
 
 def check_unary_timers(workers, data, fuzz=None):
@@ -216,8 +226,8 @@ def check_unary_timers(workers, data, fuzz=None):
     n = data.draw(st.integers(1, 5), label="epochs")
     delay = data.draw(st.integers(1, 3), label="delay")
     epochs = [(data.draw(records, label=f"records{e}"),) for e in range(n)]
-    moves = draw_moves(data, k, workers, n)
-    results = run_normalized(timers_job(epochs, moves, k, delay), workers, fuzz)
+    moves, driver = draw_moves_and_driver(data, k, workers, n)
+    results = run_normalized(timers_job(epochs, moves, k, delay, driver), workers, fuzz)
     got = outputs(results)
     expected = Counter()
     for t, (recs,) in enumerate(epochs):
@@ -233,7 +243,7 @@ def test_unary_timers_migrate_with_their_bin(workers, data):
     check_unary_timers(workers, data)
 
 
-def join_job(epochs, moves, k):
+def join_job(epochs, moves, k, driver=drive):
     """A symmetric hash join on key: emits (key, a, b) for every pair, at the later of the two times."""
 
     def fold(time, left, right, timers, state, notificator):
@@ -250,7 +260,7 @@ def join_job(epochs, moves, k):
         return out
 
     return megaphone_job(epochs, moves, k, lambda s, control: megaphone.binary(s[0], s[1], control, 0, 0, fold),
-                         inputs=2)
+                         inputs=2, driver=driver)
 
 
 def check_binary_join(workers, data, fuzz=None):
@@ -260,8 +270,8 @@ def check_binary_join(workers, data, fuzz=None):
     n = data.draw(st.integers(1, 4), label="epochs")
     side = st.lists(st.tuples(st.integers(0, 8), st.integers(0, 99)), max_size=8)
     epochs = [(data.draw(side, label=f"left{e}"), data.draw(side, label=f"right{e}")) for e in range(n)]
-    moves = draw_moves(data, k, workers, n)
-    results = run_normalized(join_job(epochs, moves, k), workers, fuzz)
+    moves, driver = draw_moves_and_driver(data, k, workers, n)
+    results = run_normalized(join_job(epochs, moves, k, driver), workers, fuzz)
     got = outputs(results)
     expected = Counter()
     for t1, (left, _) in enumerate(epochs):
