@@ -271,3 +271,37 @@ def _downgraded(cap, time):
 def test_a_capability_at_a_time_that_is_not_one_is_refused_naming_the_operator(time, why):
     with pytest.raises(timely.WorkerError, match="CapabilityError.*operator 'Deadline': " + why):
         timely.execute(lambda w: _numpy_time_capability_job(w, lambda c: c.delayed(time)), workers=1, timeout=60)
+
+
+def test_batches_left_in_an_input_are_taken_in_a_later_invocation():
+    """An operator that takes one batch per invocation (``break`` in its input loop) gets the rest
+    in later invocations; nothing else scheduled it for them, so the dataflow hung."""
+
+    def main(worker):
+        taken = []
+
+        def one_batch_per_call(cap0, info):
+            cap0.drop()
+
+            def logic(i, o):
+                for cap, batch in i:
+                    taken.append(list(batch))
+                    o.give_batch(cap, list(batch))
+                    break
+
+            return logic
+
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            captured = inp.stream.unary(one_batch_per_call, name="OneBatch").capture()
+        for t in range(3):
+            inp.send_batch([t] * 2000)  # (batches this large are not joined for the logic)
+            inp.send_batch([t + 10] * 2000)
+            inp.advance_to(t + 1)
+        inp.close()
+        worker.step_while(worker.has_dataflows, timeout=10)
+        return len(taken), sorted((t, len(recs)) for t, recs in captured.extract())
+
+    (calls, out), = timely.execute(main, timeout=60)
+    assert calls == 6
+    assert out == [(0, 4000), (1, 4000), (2, 4000)]

@@ -134,6 +134,13 @@ class OperatorCore:
             self.logic()
             for handle in self.handles:
                 handle.flush()
+            # Batches left in an input (the logic broke out of its loop) are taken in a later
+            # invocation: nothing else would schedule the operator for them (they arrived already),
+            # and their time could never complete.
+            for port in self.inputs:
+                if port.queue:
+                    self.activate()
+                    break
         except OperatorError:
             raise
         except TimelyError as e:
