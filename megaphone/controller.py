@@ -106,6 +106,7 @@ class StepEvent:
     copy_time: Any = None  # logical time at which the copy ahead was requested
     copy_at: float | None = None  # wall clock (time.time()) when the copy ahead was requested
     copy_seconds: float | None = None  # seconds from the copy request to the hand-over
+    abandoned: bool = False  # never issued: the control input closed first
     _issued_mono: float | None = field(default=None, repr=False)
     _copy_mono: float | None = field(default=None, repr=False)
 
@@ -116,7 +117,10 @@ class StepEvent:
 
     @property
     def state(self) -> str:
-        """``"queued"``, ``"copying"`` (ahead of the hand-over), ``"in_flight"`` or ``"completed"``."""
+        """``"queued"``, ``"copying"`` (ahead of the hand-over), ``"in_flight"``, ``"completed"`` or
+        ``"abandoned"`` (the control input closed before it was issued)."""
+        if self.abandoned:
+            return "abandoned"
         if self.issued_at is None:
             return "copying" if self.copy_time is not None else "queued"
         return "in_flight" if self.completed_at is None else "completed"
@@ -141,7 +145,8 @@ class Controller:
     checkpoint, the table the operators restored, so create the controller after building them).
     The controller tracks the table from then on; it
     assumes it is the only sender on the control input. ``on_progress(event, what)`` is called with
-    ``what`` = ``"issued"`` or ``"completed"`` for every step. Completion is noticed by
+    ``what`` = ``"copying"`` (a copy ahead requested), ``"issued"``, ``"completed"`` or ``"abandoned"``
+    (never issued: the control input closed first) for every step. Completion is noticed by
     :meth:`tick`, so durations have the resolution of the driver loop.
 
     ``control`` is a :class:`~megaphone.control.ControlInput` and ``probe`` a ``Migratable.probe``
@@ -299,6 +304,13 @@ class Controller:
             self._trim()
             self._notify(ev, "completed")
         if self.control.closed:
+            # No step can be issued any more: the ones not issued are abandoned (so `busy` ends:
+            # a driver looping `while controller.busy` would spin for ever).
+            for ev in ([self._ahead] if self._ahead is not None else []) + list(self._queue):
+                ev.abandoned = True
+                self._notify(ev, "abandoned")
+            self._ahead = None
+            self._queue.clear()
             return False
         did = False
         queue = self._queue

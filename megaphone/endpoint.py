@@ -88,12 +88,14 @@ def status(controller: Controller, migration: int | None = None, since: int = 0,
     issue order: one step is in flight at a time; at most ``limit``; ``completed_count`` has the
     number of them the controller's log holds, ``completed_total`` every step completed since the
     start), ``queued`` the first ``limit`` queued steps (``queued_count`` all of them); ``done`` is
-    true once every step has completed. ``trimmed`` is true for a migration the bounded log no
+    true once every step has completed or was abandoned (``abandoned_count``: never issued, the
+    control input closed first). ``trimmed`` is true for a migration the bounded log no
     longer holds (:class:`~megaphone.controller.Controller`: it drops only finished ones).
     """
     evs = [e for e in controller.events if migration is None or e.migration == migration]
     done = [e for e in evs if e.state == "completed"]
     queued = [e for e in evs if e.state == "queued"]
+    abandoned = sum(e.state == "abandoned" for e in evs)
     trimmed = (migration is not None and not evs and 0 <= migration < controller.migrations
                and migration not in controller.empty_migrations)
     return {
@@ -109,7 +111,8 @@ def status(controller: Controller, migration: int | None = None, since: int = 0,
         "copying": [e.as_dict() for e in evs if e.state == "copying"],
         "completed": [e.as_dict() for e in done[since:since + limit]],
         "completed_count": len(done),
-        "done": len(done) == len(evs),
+        "abandoned_count": abandoned,
+        "done": len(done) + abandoned == len(evs),
     }
 
 

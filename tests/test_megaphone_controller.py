@@ -125,11 +125,25 @@ def test_start_checks_the_shape_of_its_steps_and_queues_nothing_on_error():
 
 @pytest.mark.timeout(30)
 def test_no_step_is_issued_on_a_closed_control_input():
+    """Steps not issued when the control input closes are abandoned, so the controller is no
+    longer busy (they stayed queued, and a driver looping `while controller.busy` spun for ever);
+    a step in flight still completes."""
+    from megaphone.endpoint import status
+
     control, probe = FakeControl(), FakeProbe()
-    ctl = Controller(control, probe)
-    ctl.start([{0: 1}])
+    seen = []
+    ctl = Controller(control, probe, on_progress=lambda ev, what: seen.append((ev.index, what)))
+    ctl.start([{0: 1}, {1: 1}, {2: 1}])
+    assert ctl.tick() and len(control.sent) == 1  # the first step in flight
     control.closed = True
-    assert not ctl.tick() and control.sent == [] and ctl.busy
+    assert not ctl.tick() and len(control.sent) == 1 and ctl.busy  # (the first is still in flight)
+    assert [e.state for e in ctl.events] == ["in_flight", "abandoned", "abandoned"]
+    assert seen == [(0, "issued"), (1, "abandoned"), (2, "abandoned")]
+    probe.frontier = control.time + 1
+    assert not ctl.tick() and not ctl.busy
+    assert [e.state for e in ctl.events] == ["completed", "abandoned", "abandoned"]
+    s = status(ctl)
+    assert s["done"] and s["abandoned_count"] == 2 and s["completed_count"] == 1 and not s["busy"]
     # A migration asked for afterwards is refused (it was queued, and stayed 'queued' for ever).
     with pytest.raises(TableError, match="the control input is closed"):
         ctl.rebalance([1] * ctl.nbins)
