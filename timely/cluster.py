@@ -699,8 +699,10 @@ def execute_cluster(main: Callable[[Any], Any], workers: int, args: Sequence[str
     check_main(main)  # an async or generator main: TypeError now, not an empty run of every worker
     if start == "spawn":
         _require_picklable(main, "main")
+    from .comm.zmq_allocator import check_options
     from .dataflow.dataflow import check_progress_mode
 
+    check_options(options)  # the allocator's options: a bad one raises here, not in every worker
     token = secrets.token_hex(16)
     options["secret"] = resolve(secret)
     options["progress"] = check_progress_mode(progress)  # before any worker starts

@@ -48,7 +48,9 @@ from .cluster import STOPPED_GRACE, Outcome, local_endpoints, primary_failure, r
 from .cluster import failure_error as failure_error  # re-exported: spark_bridge.barrier raises as timely.execute does
 from .comm.endpoints import DEFAULT_PORT, hostfile_endpoints, parse_hostfile
 from .comm.errors import HostfileError
+from .comm.gate import check_token
 from .comm.secret import JobSecret, SecretError, resolve
+from .comm.zmq_allocator import MAX_HEARTBEAT_TIMEOUT
 from .errors import TimelyError
 from .recovery import run_restarting
 from .worker import MainNotRunError, check_main
@@ -282,6 +284,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 ("--startup-timeout", opts.startup_timeout)):
             if not 0 < seconds < math.inf:
                 raise _UsageError(f"{option} must be a positive number of seconds, not {seconds:g}")
+        if opts.heartbeat_timeout > MAX_HEARTBEAT_TIMEOUT:  # (TCP_MAXRT: milliseconds in a C int)
+            raise _UsageError(f"--heartbeat-timeout must be at most {MAX_HEARTBEAT_TIMEOUT} seconds (about 24 days), "
+                              f"not {opts.heartbeat_timeout:g}")
+        if opts.token is not None:  # (a longer one could never complete the workers' handshake)
+            try:
+                check_token(opts.token, "--token (or TIMELY_TOKEN)")
+            except ValueError as exc:
+                raise _UsageError(str(exc)) from None
         if (opts.hostfile or opts.transport == "tcp") and not 0 < opts.port <= 65536 - opts.workers:
             raise _UsageError(f"--port {opts.port}: the {opts.workers} worker(s) of a host would listen on ports "
                               f"{opts.port} to {opts.port + opts.workers - 1}, which must lie within 1-65535")

@@ -25,14 +25,31 @@ import zmq
 from .errors import FramingError
 from .framing import HEADER, VERSION, Kind, decode_untrusted, unpack_header
 
-#: Largest ``HELLO`` payload accepted (a real one is well under 200 bytes).
+#: Largest ``HELLO`` payload accepted (a real one is well under 200 bytes besides its token).
 MAX_HELLO_BYTES = 1024
+#: Longest job token, in bytes (UTF-8): a ``HELLO`` carrying one of them and the largest values of
+#: its other fields stays within :data:`MAX_HELLO_BYTES` (:func:`check_token`).
+MAX_TOKEN_BYTES = 900
 
 #: Seconds between two log lines about refused messages.
 LOG_INTERVAL = 10.0
 
 _RCVMORE = int(zmq.RCVMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
+
+
+def check_token(token: str, name: str = "the job token") -> None:
+    """Raise :class:`ValueError` (naming it ``name``) unless ``token`` can travel in a ``HELLO``:
+    text of at most :data:`MAX_TOKEN_BYTES` bytes in UTF-8. A longer one would be refused by every
+    peer, and the job would wait out its start-up timeout."""
+    if not isinstance(token, str):
+        raise TypeError(f"{name} must be text (str), not {type(token).__name__}")
+    try:
+        size = len(token.encode())
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} is not valid UTF-8 text") from None
+    if size > MAX_TOKEN_BYTES:
+        raise ValueError(f"{name} is {size} bytes long (UTF-8); at most {MAX_TOKEN_BYTES} are allowed")
 
 
 def read_hello(router: zmq.Socket) -> tuple[int, Any] | str:

@@ -42,6 +42,16 @@ HANDSHAKE_FAILED = int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAK
 #: is lost, so the worker fails (``Links._on_monitor``).
 MONITORED = int(zmq.EVENT_DISCONNECTED) | int(zmq.EVENT_CONNECTED) | HANDSHAKE_FAILED
 
+#: Bytes a frame grows by under CURVE, rounded up: libzmq encrypts each frame into a MESSAGE
+#: command (its 8-byte name, an 8-byte nonce, a flags byte and a 16-byte MAC: 33 bytes more), and
+#: the receiver's ``MAXMSGSIZE`` counts the encrypted frame.
+CURVE_OVERHEAD = 64
+#: Linux's bounds on keepalive probes (``TCP_KEEPCNT``) and on their idle time and interval in
+#: seconds (``TCP_KEEPIDLE``, ``TCP_KEEPINTVL``): beyond them setsockopt fails, and libzmq then
+#: drops every connection attempt (a job that never starts).
+MAX_KEEPALIVE_PROBES = 127
+MAX_KEEPALIVE_SECONDS = 32767
+
 
 @dataclass(frozen=True)
 class Tuning:
@@ -60,9 +70,9 @@ class Tuning:
     receive_batch: int
     receive_bytes: int
 
-    def apply(self, sock: zmq.Socket) -> None:
+    def apply(self, sock: zmq.Socket, secure: bool = False) -> None:
         """Set the socket options (queue and message bounds, host liveness) on ``sock``, before it
-        binds or connects.
+        binds or connects; ``secure``: it will use CURVE (a job secret).
 
         Liveness is the kernel's, never ZMTP heartbeats: TCP keepalive probes every
         ``heartbeat_ivl`` seconds (whole seconds, at least 1) on an idle connection, and
@@ -74,7 +84,8 @@ class Tuning:
         or a PING is then read: a 2-core run of 8 and 16 workers lost a worker to it. Kernel
         probes run no code of libzmq's.) A process that is stopped but whose host is up is not
         detected here: its supervisor (``timely.cluster``, the launcher) ends the run.
-        ``heartbeat_ivl`` 0 turns the probes off; they apply to tcp connections only.
+        ``heartbeat_ivl`` 0 turns the probes off; they apply to tcp connections only. A timeout over
+        ``MAX_KEEPALIVE_PROBES`` intervals spaces the probes out (the kernel's bounds).
         """
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
@@ -82,16 +93,22 @@ class Tuning:
         # ones work as before.
         sock.setsockopt(zmq.IPV6, 1)
         # A peer that sends a larger frame is disconnected before it is buffered. Ours never do:
-        # a payload over max_message_bytes is refused at push (MessageTooLarge).
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + HEADER.size)
+        # a payload over max_message_bytes is refused at push (MessageTooLarge), and the limit
+        # counts a frame as it travels, so under CURVE its encryption's overhead too.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + HEADER.size + (CURVE_OVERHEAD if secure else 0))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         if self.heartbeat_ivl > 0:
-            ivl = max(1, round(self.heartbeat_ivl))
+            # Whole seconds within the kernel's bounds; at most MAX_KEEPALIVE_PROBES probes, spaced
+            # to span heartbeat_timeout (TCP_MAXRT: milliseconds, a C int; ZmqAllocator checks
+            # heartbeat_timeout against MAX_HEARTBEAT_TIMEOUT).
+            idle = min(MAX_KEEPALIVE_SECONDS, max(1, round(self.heartbeat_ivl)))
+            ivl = min(MAX_KEEPALIVE_SECONDS, max(idle, math.ceil(self.heartbeat_timeout / MAX_KEEPALIVE_PROBES)))
             sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-            sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, ivl)
+            sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle)
             sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, ivl)
-            sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, max(1, math.ceil(self.heartbeat_timeout / ivl)))
+            sock.setsockopt(zmq.TCP_KEEPALIVE_CNT,
+                            min(MAX_KEEPALIVE_PROBES, max(1, math.ceil(self.heartbeat_timeout / ivl))))
             sock.setsockopt(zmq.TCP_MAXRT, max(1, int(self.heartbeat_timeout * 1000)))
 
 
@@ -327,7 +344,7 @@ def connect_peer(ctx: zmq.Context, tuning: Tuning, secret: JobSecret | None, me:
     """Connect a ``DEALER`` from worker ``me`` to worker ``index`` (a CURVE client with a
     ``secret``) and queue our ``HELLO`` on it."""
     dealer = ctx.socket(zmq.DEALER)
-    tuning.apply(dealer)
+    tuning.apply(dealer, secure=secret is not None)
     if secret is not None:
         secret.connect(dealer)
     peer = Peer(me, index, endpoint, dealer, dealer.get_monitor_socket(MONITORED), tuning.max_message_bytes)
@@ -347,7 +364,7 @@ def bind_router(ctx: zmq.Context, tuning: Tuning, secret: JobSecret | None, me: 
     """Bind worker ``me``'s ``ROUTER`` on ``address`` (a CURVE server with a ``secret``, whose
     context must be guarded by ``secret.guard``); raise :class:`AddressInUse` if it is taken."""
     router = ctx.socket(zmq.ROUTER)
-    tuning.apply(router)
+    tuning.apply(router, secure=secret is not None)
     if secret is not None:
         secret.serve(router)
     # ROUTER_MANDATORY: a reply that cannot be routed fails instead of vanishing silently.

@@ -148,15 +148,21 @@ class _QuietLog:
 def resolve(secret: str | JobSecret | None = None, secret_file: str | None = None) -> JobSecret | None:
     """The job secret to use: ``secret`` (text or keys), else the file ``secret_file``, else the
     environment (``TIMELY_SECRET``, then the file named by ``TIMELY_SECRET_FILE``), else ``None``
-    (no secret: sockets are open to whoever can reach them)."""
+    (no secret: sockets are open to whoever can reach them). A variable that is set counts, even
+    when empty: an empty (or blank) one is a :class:`SecretError` naming it, never "no secret"."""
     if isinstance(secret, JobSecret):
         return secret
     if secret is not None:
         return JobSecret.from_text(secret)
     if secret_file is not None:
         return JobSecret.from_file(secret_file)
-    if os.environ.get(ENV):
-        return JobSecret.from_text(os.environ[ENV])
-    if os.environ.get(ENV_FILE):
+    if ENV in os.environ:
+        try:
+            return JobSecret.from_text(os.environ[ENV])
+        except SecretError as exc:
+            raise SecretError(f"{exc} (environment variable {ENV})") from None
+    if ENV_FILE in os.environ:
+        if not os.environ[ENV_FILE].strip():
+            raise SecretError(f"the environment variable {ENV_FILE} is set but empty: it names no job secret file")
         return JobSecret.from_file(os.environ[ENV_FILE])
     return None

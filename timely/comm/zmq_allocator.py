@@ -60,13 +60,16 @@ errors are in :mod:`timely.comm.errors`.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import time
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 from typing import Any
 
 from .allocator import Puller, Pusher
 from .errors import AddressInUse, ChannelMismatch, CommError, HandshakeError, MessageTooLarge, PeerLost
 from .framing import MAX_CHANNEL, MAX_SOURCE, encode_gathered, encode_items
+from .gate import check_token
 from .links import Links
 from .mailbox import Mailbox
 from .peer import Peer, Tuning
@@ -78,6 +81,63 @@ __all__ = ["AddressInUse", "ChannelMismatch", "CommError", "HandshakeError", "Me
 
 #: The fewest messages a ZeroMQ queue holds, whatever the byte budget (small messages need room).
 HWM_FLOOR = 16
+#: The most messages a ZeroMQ queue holds (``SNDHWM`` / ``RCVHWM`` are C ints).
+HWM_MAX = (1 << 31) - 1
+#: Bounds of ``max_message_bytes``: bundles carry each part's length as a u32, and a HELLO fits.
+MIN_MESSAGE_BYTES = 1024
+MAX_MESSAGE_BYTES = 1 << 31
+#: The longest ``heartbeat_timeout``, in seconds (about 24.8 days): it becomes ``TCP_MAXRT`` in
+#: milliseconds, a C int.
+MAX_HEARTBEAT_TIMEOUT = ((1 << 31) - 1) // 1000
+
+#: The integer options: (least, most) values (``hwm`` may also be ``None``: derived).
+_INTEGER_OPTIONS: dict[str, tuple[int, int | None]] = {
+    "max_message_bytes": (MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES), "inflight_bytes": (1, None), "hwm": (1, HWM_MAX),
+    "backlog_bytes": (0, None), "mailbox_bytes": (1, None), "receive_batch": (1, None), "receive_bytes": (1, None)}
+#: The options in seconds: (least, whether the least is allowed, most).
+_SECONDS_OPTIONS: dict[str, tuple[float, bool, float]] = {
+    "startup_timeout": (0.0, False, math.inf), "heartbeat_ivl": (0.0, True, math.inf),
+    "heartbeat_timeout": (0.0, False, MAX_HEARTBEAT_TIMEOUT), "goodbye_grace": (0.0, True, math.inf),
+    "close_timeout": (0.0, True, math.inf)}
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """Check the :class:`ZmqAllocator` options among ``options`` (others are ignored): raise
+    :class:`TypeError` or :class:`ValueError` naming the first bad one and its value.
+
+    Sizes are integers (bytes, or messages for ``hwm`` and ``receive_batch``): at least 1 (a
+    ``mailbox_bytes``, ``receive_batch`` or ``receive_bytes`` of 0 would stop all reading),
+    ``backlog_bytes`` at least 0, ``max_message_bytes`` from :data:`MIN_MESSAGE_BYTES` to
+    :data:`MAX_MESSAGE_BYTES`, ``hwm`` (unless ``None``) at most :data:`HWM_MAX`. Times are
+    numbers of seconds: ``startup_timeout`` positive, ``heartbeat_timeout`` positive and at most
+    :data:`MAX_HEARTBEAT_TIMEOUT`, ``heartbeat_ivl`` (0: no probes) finite, the others non-negative.
+    Callers that fork workers call it first, so that a bad option fails the call, not every worker.
+    """
+    for name, (least, most) in _INTEGER_OPTIONS.items():
+        if name not in options or (name == "hwm" and options[name] is None):
+            continue
+        value = options[name]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an integer, not {value!r}")
+        number = int(value)
+        if number < least:
+            raise ValueError(f"{name} must be at least {least}, not {number}")
+        if most is not None and number > most:
+            raise ValueError(f"{name} must be at most {most}, not {number}")
+    for name, (low, inclusive, high) in _SECONDS_OPTIONS.items():
+        if name not in options:
+            continue
+        value = options[name]
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a number of seconds, not {value!r}")
+        seconds = float(value)
+        if not (seconds >= low if inclusive else seconds > low):  # (NaN fails too)
+            kind = "non-negative" if inclusive else "positive"
+            raise ValueError(f"{name} must be a {kind} number of seconds, not {value!r}")
+        if seconds > high:
+            raise ValueError(f"{name} must be at most {high} seconds, not {value!r}")
+        if name == "heartbeat_ivl" and seconds == math.inf:
+            raise ValueError(f"{name} must be a finite number of seconds (0: no probes), not {value!r}")
 
 
 class _RemotePusher:
@@ -107,7 +167,9 @@ class ZmqAllocator:
 
     ``endpoints[j]`` is the address worker ``j`` listens on (``ipc://path`` or ``tcp://host:port``);
     this worker binds ``bind`` if given, else ``endpoints[index]``. ``token`` identifies the job:
-    every worker of a job must use the same one. The constructor blocks until every peer is
+    every worker of a job must use the same one (at most
+    :data:`~timely.comm.gate.MAX_TOKEN_BYTES` bytes). Bad options raise at once
+    (:func:`check_options`). The constructor blocks until every peer is
     connected (at most ``startup_timeout`` seconds). Create it after any ``fork``. With ``secret``
     (every worker of the job the same), links are authenticated and encrypted with CURVE.
 
@@ -153,10 +215,14 @@ class ZmqAllocator:
             raise ValueError(f"at most {MAX_SOURCE + 1} workers are supported, not {peers}")
         if len(endpoints) != peers:
             raise ValueError(f"{len(endpoints)} endpoints given for {peers} workers")
-        if max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be at least 1024, not {max_message_bytes}")
+        check_token(token)
+        check_options({"max_message_bytes": max_message_bytes, "inflight_bytes": inflight_bytes, "hwm": hwm,
+                       "backlog_bytes": backlog_bytes, "mailbox_bytes": mailbox_bytes,
+                       "startup_timeout": startup_timeout, "heartbeat_ivl": heartbeat_ivl,
+                       "heartbeat_timeout": heartbeat_timeout, "goodbye_grace": goodbye_grace,
+                       "close_timeout": close_timeout, "receive_batch": receive_batch, "receive_bytes": receive_bytes})
         if hwm is None:
-            hwm = max(HWM_FLOOR, inflight_bytes // (2 * max_message_bytes))
+            hwm = min(HWM_MAX, max(HWM_FLOOR, inflight_bytes // (2 * max_message_bytes)))
         self.index = index
         self.peers = peers
         self._mailbox = Mailbox(index)
