@@ -181,6 +181,15 @@ class BalancePolicy:
         return target
 
 
+def check_interval(value: Any) -> float:
+    """The AutoBalancer's ``interval`` as seconds: a positive finite number, else ``ValueError``
+    naming it (0 or less evaluated the policy at every metrics report)."""
+    seconds = float(value)
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"interval must be a positive number of seconds, not {value!r}")
+    return seconds
+
+
 class AutoBalancer:
     """Runs a :class:`BalancePolicy` on worker 0's metrics and starts its plans on ``controller``.
 
@@ -208,7 +217,7 @@ class AutoBalancer:
         self.strategy = str(opts["strategy"])
         if self.strategy != "auto" and self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r} (expected auto or one of {', '.join(STRATEGIES)})")
-        self.interval = float(opts["interval"])
+        self.interval = check_interval(opts["interval"])
         self.policy = BalancePolicy(controller.peers, float(opts["threshold"]),
                                     None if opts["target"] is None else float(opts["target"]), int(opts["hold"]),
                                     float(opts["cooldown"]), int(opts["window"]), float(opts["min_busy"]))

@@ -136,6 +136,9 @@ def test_an_unknown_strategy_knob_is_refused():
 
     with pytest.raises(ValueError, match="unknown strategy 'fast'"):
         megaphone.AutoBalancer(_Controller(), _Worker(), strategy="fast")
+    for interval in (0, -5, float("nan"), float("inf")):  # (0 or less: evaluated at every report)
+        with pytest.raises(ValueError, match="interval must be a positive number of seconds"):
+            megaphone.AutoBalancer(_Controller(), _Worker(), interval=interval)
 
 
 def test_rates_follow_each_workers_own_report_times():

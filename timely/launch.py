@@ -345,7 +345,7 @@ def _check_observe(opts: argparse.Namespace) -> dict[str, Any] | None:
         except ValueError:
             raise _UsageError(f"--autobalance: {name}={value!r} is not a number") from None
     # Checked here, before any worker starts (the AutoBalancer on worker 0 would refuse them later).
-    from megaphone.autobalance import DEFAULTS, STRATEGIES, BalancePolicy
+    from megaphone.autobalance import DEFAULTS, STRATEGIES, BalancePolicy, check_interval
 
     unknown = sorted(set(knobs) - set(DEFAULTS))
     if unknown:
@@ -356,6 +356,7 @@ def _check_observe(opts: argparse.Namespace) -> dict[str, Any] | None:
     try:
         BalancePolicy(2, float(policy["threshold"]), None if policy["target"] is None else float(policy["target"]),
                       int(policy["hold"]), float(policy["cooldown"]), int(policy["window"]), float(policy["min_busy"]))
+        check_interval(policy["interval"])
     except ValueError as e:
         raise _UsageError(f"--autobalance: {e}") from None
     return knobs
