@@ -202,7 +202,15 @@ def test_ports_and_timeouts_out_of_range_are_usage_errors(tmp_path, launched):
     job = _job(tmp_path, "job.py", EXCHANGE_JOB)
     hostfile = tmp_path / "hosts"
     hostfile.write_text("127.0.0.1:65535\n")
+    # Every line must resolve, not only this host's (a peer's that did not waited out the start-up
+    # timeout, blamed on secrets); a line with spaces is not a host (a ZeroMQ error before).
+    unresolved = tmp_path / "unresolved"
+    unresolved.write_text("127.0.0.1\n# a comment\nno.such.host.invalid\n")
+    spaced = tmp_path / "spaced"
+    spaced.write_text("127.0.0.1\nnot a host name\n")
     for argv, message in [
+        (["--hostfile", str(unresolved)], "cannot resolve host 'no.such.host.invalid' (host 2 of "),
+        (["--hostfile", str(spaced)], "spaced:2: expected host[:port], got 'not a host name'"),
         (["--transport", "tcp", "--port", "70000"], "--port 70000: the 2 worker(s) of a host would listen on ports "
                                                      "70000 to 70001, which must lie within 1-65535"),
         (["--transport", "tcp", "--port", "0"], "--port 0:"),

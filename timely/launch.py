@@ -405,12 +405,17 @@ def _addresses(opts: argparse.Namespace, cleanup: contextlib.ExitStack) -> tuple
         raise _UsageError(f"cannot read hostfile {opts.hostfile}: {exc.strerror}") from None
     if not 0 <= opts.host_index < len(hosts):
         raise _UsageError(f"--host-index {opts.host_index} is not a line of {opts.hostfile} ({len(hosts)} hosts)")
+    # Every line must resolve here (a peer's that does not would wait out the start-up timeout,
+    # blamed on secrets); ZeroMQ binds to addresses or interfaces, not names: this host's own line's.
+    addresses = {}
+    for line, (name, _) in enumerate(hosts, 1):
+        if name not in addresses:
+            try:
+                addresses[name] = str(socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0])
+            except OSError as exc:
+                raise _UsageError(f"cannot resolve host {name!r} (host {line} of {opts.hostfile}): {exc}") from None
     host, base = hosts[opts.host_index]
-    try:
-        # ZeroMQ binds to addresses or interfaces, not names: resolve this host's own line.
-        address = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
-    except OSError as exc:
-        raise _UsageError(f"cannot resolve host {host!r} ({opts.hostfile}): {exc}") from None
+    address = addresses[host]
     address = f"[{address}]" if ":" in address else address
     first = opts.host_index * n
     bind = {first + local: f"tcp://{address}:{base + local}" for local in range(n)}

@@ -59,7 +59,7 @@ def parse_hostfile(text: str, default_port: int = DEFAULT_PORT, source: str = "h
                 port = int(port_text)
             except ValueError:
                 raise HostfileError(f"{source}:{number}: bad port {port_text!r} in {line!r}") from None
-        if not host:
+        if not host or any(c.isspace() for c in host):
             raise HostfileError(f"{source}:{number}: expected host[:port], got {line!r}")
         if not 0 < port <= 65536 - workers:
             raise HostfileError(f"{source}:{number}: its {workers} worker(s) would listen on ports {port} to "
