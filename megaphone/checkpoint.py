@@ -47,7 +47,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .bins import Bin, MegaphoneError, Shared
+from .bins import Bin, Shared
 from .table import Table, TableError, balanced, validate_table
 
 if TYPE_CHECKING:
@@ -253,15 +253,21 @@ class BinCheckpoint:
         self.chain.pop(b, None)
 
     def _restored_table(self, manifest: Manifest) -> Table:
+        """The routing table to restore (the checkpoint's, or a balanced one when rescaling). A
+        checkpoint with another number of bins, or with a table unfit for them, is another job's
+        (or damaged): a :class:`~timely.checkpoint.CheckpointError`, which recovery does not retry."""
+        from timely.checkpoint.store import CheckpointError  # (loaded already: ck is a Checkpointer)
+
         shared = self.shared
         meta = self.participant.meta().get(0) or {}  # worker 0's, which has the table
         k = meta.get("k", shared.k)
         if k != shared.k:
-            raise MegaphoneError(f"'{shared.name}': the checkpoint at epoch {manifest.epoch} has 2^{k} bins, "
-                                 f"this operator 2^{shared.k}")
+            raise CheckpointError(f"checkpoint {manifest.path} belongs to another job: Megaphone operator "
+                                  f"'{shared.name}' has 2^{shared.k} bins (k={shared.k}), the checkpoint's 2^{k} "
+                                  f"(k={k}); use another checkpoint directory")
         if manifest.peers != shared.peers or "table" not in meta:
             return balanced(shared.nbins, shared.peers)  # rescaling: spread the bins over the new workers
         try:
             return validate_table(meta["table"], shared.nbins, shared.peers, "checkpointed")
         except TableError as e:
-            raise MegaphoneError(f"'{shared.name}': checkpoint at epoch {manifest.epoch}: {e}") from None
+            raise CheckpointError(f"checkpoint {manifest.path}: Megaphone operator '{shared.name}': {e}") from None

@@ -716,8 +716,10 @@ def test_end_to_end_rescale_2_3_1_through_real_checkpoints(tmp_path):
     ckdir = str(tmp_path / "ck")
     # A run ends its inputs at its stop: its newest checkpoint is the newest epoch before the stop,
     # or the first one past it where the last epochs changed Megaphone's bins (offered when its
-    # inputs ended: the stream ended, so the epochs between have no records). The next run resumes
-    # there, its input in [stop, checkpoint) empty, as the sequential computation's.
+    # inputs ended). The next run's source resumes at the stop (the end it recorded; that those
+    # epochs are read is test_checkpoint_review6's); here the job gives the epochs in
+    # [stop, checkpoint) no records, as the sequential computation, so each run's output is taken
+    # below its checkpoint.
     stops, peers = [7, 13, 19, 27], [2, 2, 3, 1]
     out: Counter = Counter()
     start = 0

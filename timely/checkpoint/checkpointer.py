@@ -1,8 +1,11 @@
 """The checkpoint runtime of one worker: participants, per-epoch offers, the background writer, the commit.
 
 A *checkpoint at epoch e* holds every participant's state reflecting exactly the inputs at epochs
-``< e``; sources resume at ``e``. Checkpoint epochs are those with ``e > 0`` and ``e % every == 0``:
-every worker knows them without coordination.
+``< e``; sources resume at ``e``, or, a source whose stream had ended at ``L < e`` (its participant
+closed with meta ``{"ended": L}``, which the checkpoint records), at ``L``: the state holds none
+of its records from ``L`` on, and a job continued with more input reads them (see
+:func:`~timely.checkpoint.source`). Checkpoint epochs are those with ``e > 0`` and
+``e % every == 0``: every worker knows them without coordination.
 
 Per worker, participants (``ck.register(name)``, the same names on every worker, registered while
 the dataflows are built) offer their changed state at each checkpoint epoch, in order. Once every
@@ -33,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any
 
 from .store import Blob, CheckpointError, Manifest, Store
@@ -49,7 +53,7 @@ POLL = 0.05
 MAX_QUEUED = 4
 #: Seconds :meth:`Checkpointer.close` waits for a write in progress to end.
 CLOSE_WAIT = 5.0
-#: Seconds worker 0 waits, when the job ends, for the parts of the epochs it wrote to be committed.
+#: Seconds worker 0 waits, when the job ends, for every worker's final marker (then it makes the last commit).
 FINAL_COMMIT_WAIT = 2.0
 #: The key of the runtime's own entry in a part's meta (next to each participant's meta, by name).
 _OWN = "_timely"
@@ -124,11 +128,16 @@ class Participant:
         self.offered = epoch
         ck._offer(self, epoch, changed, meta)
 
-    def close(self) -> None:
+    def close(self, meta: Any = None) -> None:
         """Declare that this participant's state will not change again (its input ended): later
-        checkpoints carry nothing from it. Offer the last changes first."""
+        checkpoints carry nothing from it. Offer the last changes first. ``meta`` (JSON-able, when
+        not ``None``) replaces its meta from then on: it is in every part the worker writes after
+        the close (a source records the epoch its stream ended at, :func:`~timely.checkpoint.source`),
+        so in every checkpoint of an epoch the worker hands after the close."""
         if not self.closed:
             self.closed = True
+            if meta is not None:
+                self._ck._end_meta[self.name] = meta
             self._ck._advance()
 
 
@@ -136,22 +145,25 @@ class Checkpointer:
     """The checkpoint runtime of worker ``index`` of ``peers`` (``worker.checkpoint``).
 
     ``store`` holds the checkpoints; the job resumes from its newest complete manifest
-    (:attr:`manifest`, :attr:`resume_epoch`), read once here.
+    (:attr:`manifest`, :attr:`resume_epoch`), read once here, or from ``manifest`` when given
+    (:meth:`open` reads it first, to name the run after it).
     """
 
-    def __init__(self, store: Store, every: int, index: int, peers: int) -> None:
+    def __init__(self, store: Store, every: int, index: int, peers: int,
+                 manifest: Manifest | None | EllipsisType = ...) -> None:
         if every < 1:
             raise ValueError(f"checkpoint every must be at least 1 epoch, not {every}")
         self.store = store
         self.every = every
         self.index = index
         self.peers = peers
-        self.manifest: Manifest | None = store.latest()
+        self.manifest: Manifest | None = store.latest() if manifest is ... else manifest
         self.resume_epoch: int = 0 if self.manifest is None else self.manifest.epoch
         self._participants: dict[str, Participant] = {}
         self._digests: list[str] = []
         self._offers: dict[int, dict[str, tuple[dict[str, Blob | None], Any]]] = {}
         self._meta: dict[str, Any] = {}  # each participant's meta in the newest part handed to the writer
+        self._end_meta: dict[str, Any] = {}  # the meta closed participants gave close(): it replaces their offers'
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(MAX_QUEUED)
         self._closing = threading.Event()  # set by close(): the writer drops every task it has not begun
         self._error: BaseException | None = None
@@ -163,6 +175,7 @@ class Checkpointer:
         self._reached_lock = threading.Lock()
         self._commit_busy = False
         self._next_poll = 0.0
+        self._settled = False  # worker 0, when the job ends: every worker's final marker seen, the last commit made
         #: Every participant of this worker has closed, and its final reached marker is queued: its
         #: state changes no more, and it holds no commit back (a worker whose inputs ended first).
         self._final = False
@@ -176,12 +189,29 @@ class Checkpointer:
     def open(cls, config: CheckpointConfig, index: int, peers: int, job_id: str = "") -> Checkpointer:
         """The checkpointer of worker ``index`` of ``peers`` for ``config``. The parts of this run
         are committed only with each other: a run is named by ``job_id`` (what every worker of one
-        launch shares), the number of workers and the attempt, so the pending parts a failed run
-        left behind never join (they are collected once a newer checkpoint covers their epoch).
-        The number of workers is in the name because ``job_id`` comes from the job's token, which a
-        user may fix (``--token``, ``TIMELY_TOKEN``) and reuse: a rescaled launch then found the
-        markers of the earlier launch's extra workers under its own name and never committed."""
-        return cls(Store(config.url, JOB, run=f"{job_id}/{peers}/{config.attempt}"), config.every, index, peers)
+        launch shares), the number of workers, the attempt and the checkpoint it resumes from (its
+        epoch and creation stamp), so the pending parts a failed run left behind never join (they
+        are collected once a newer checkpoint covers their epoch). ``job_id`` comes from the job's
+        token, which a user may fix (``--token``, ``TIMELY_TOKEN``) and reuse: the number of workers
+        keeps a rescaled launch from the markers of the earlier launch's extra workers (it never
+        committed), and the resumed checkpoint keeps a launch from the leftover parts of an earlier
+        launch with as many workers (2, then 3, then 2 workers: the first launch's uncommitted part
+        of worker 0 joined the third's commit). Only a launch that repeats an earlier one exactly
+        (token, workers, attempt and checkpoint) shares its name: its parts are the same state.
+
+        A process-local file system (fsspec ``memory://``) with more than one worker is refused
+        (:class:`CheckpointError`): every worker is a process of its own, with a file system of its
+        own, so no worker would see the others' parts and no checkpoint would ever commit."""
+        store = Store(config.url, JOB)
+        if peers > 1 and store.process_local:
+            raise CheckpointError(
+                f"checkpoint storage {config.url!r} is local to each process (fsspec protocol "
+                f"{store.fs.protocol!r}): each of the {peers} worker processes would write to a file system of its "
+                "own, so no checkpoint would ever be complete; use a directory or a URL every worker reaches")
+        manifest = store.latest()
+        resumed = "start" if manifest is None else f"{manifest.epoch}@{manifest.created!r}"
+        run = f"{job_id}/{peers}/{config.attempt}/{resumed}"
+        return cls(Store(config.url, JOB, run=run), config.every, index, peers, manifest)
 
     # -- the job's side --------------------------------------------------------------------------
     def is_checkpoint(self, epoch: int) -> bool:
@@ -279,17 +309,22 @@ class Checkpointer:
             self._commit_busy = False
 
     def flush(self) -> None:
-        """When the job ends: write the parts offered so far, wait for them (worker 0: and, up to
-        :data:`FINAL_COMMIT_WAIT` seconds, for their commit); raise a background error."""
+        """When the job ends: write the parts offered so far and the final marker, wait for them
+        (worker 0: and, up to :data:`FINAL_COMMIT_WAIT` seconds, for every worker's final marker,
+        then it makes the last commit); raise a background error."""
         self._check_registered()
         self._advance(final=True)
         self._queue.put(functools.partial(self.store.write_reached, self.index, self._handed, True))
         self._queue.join()
         deadline = time.monotonic() + FINAL_COMMIT_WAIT
-        while (self.index == 0 and self._handed > self._committed and self._error is None
-               and time.monotonic() < deadline):
-            self.poll()
-            time.sleep(POLL / 2)
+        # Worker 0 waits for the others' final markers, not only for its own epochs: the last
+        # epochs may be the others' alone (worker 0's inputs ended first), and their final markers
+        # may come after its last commit check of the run.
+        while self.index == 0 and not self._settled and self._error is None and time.monotonic() < deadline:
+            self._queue.put(self._final_commit)
+            self._queue.join()
+            if not self._settled:
+                time.sleep(POLL / 2)
         self._queue.join()
         if self._error is not None:
             raise self._error
@@ -332,7 +367,7 @@ class Checkpointer:
             offers = self._offers.pop(epoch)
             states = {name: changed for name, (changed, _) in offers.items()}
             self._meta.update({name: meta for name, (_, meta) in offers.items()})
-            meta = {**self._meta, _OWN: {"dataflows": list(self._digests), "peers": self.peers}}
+            meta = self._part_meta()
             self._handed = epoch
             if meta == self._last_meta and not any(states.values()):
                 # Nothing changed since the newest part: move the reached marker instead. Invariant
@@ -359,7 +394,26 @@ class Checkpointer:
             # more. A final reached marker (after its parts, in queue order) lets the other
             # workers' epochs commit; otherwise they would wait for this worker until the job ends.
             self._final = True
+            meta, last = self._part_meta(), self._last_meta or {}
+            if any(last.get(name) != value for name, value in self._end_meta.items()):
+                # A participant closed with meta since the newest part (a source's end epoch): a
+                # last part, without state, carries it at the next checkpoint epoch, where the
+                # worker's state is what it is now (every participant offered its last changes
+                # before closing). Else a checkpoint cut above the worker's newest part, where
+                # the other workers went on, would lack the meta (a resumed source would skip the
+                # epochs from its end on).
+                epoch = (self._handed // self.every + 1) * self.every
+                self._handed = epoch
+                with self._reached_lock:
+                    self._reached = None
+                self._last_meta = meta
+                self._queue.put(functools.partial(self._write, epoch, {}, meta))
             self._queue.put(functools.partial(self.store.write_reached, self.index, self._handed, True))
+
+    def _part_meta(self) -> dict[str, Any]:
+        """The meta of this worker's next part: each participant's newest (a closed one's from
+        ``close``, which replaces its offers'), and the runtime's own."""
+        return {**self._meta, **self._end_meta, _OWN: {"dataflows": list(self._digests), "peers": self.peers}}
 
     def _writer(self) -> None:
         """The background thread: run queued writes and commit checks, one at a time, in order."""
@@ -398,6 +452,14 @@ class Checkpointer:
                 self._reached = None  # later empty epochs queue a marker write of their own
             epoch = reached[0]
         self.store.write_reached(self.index, epoch)
+
+    def _final_commit(self) -> None:
+        """Worker 0, on the background thread, once the job ended: commit the newest epoch every
+        worker reached (if newer than the newest manifest); settled once every worker's final
+        marker was written before that (:meth:`Store.ended`), so the commit was the last one."""
+        ended = self.store.ended(self.peers)  # (before the commit lists the markers: it sees them all)
+        self._try_commit()
+        self._settled = ended
 
     def _try_commit(self) -> None:
         """Worker 0, on the background thread: commit the newest epoch every worker has reached."""

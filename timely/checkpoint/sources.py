@@ -33,17 +33,28 @@ def source(scope: Scope, name: str, read: Read, max_in_flight: int = 2, probe: P
     be **deterministic**: after a restart the epochs from the checkpoint's on are read again and
     must give the same records (with the same ``peers``; after rescaling, the same records over
     all workers), or the recovered output is not the uninterrupted one. The source starts at
-    ``worker.checkpoint.resume_epoch`` (0 without checkpoints) and emits epoch after epoch,
+    ``worker.checkpoint.resume_epoch`` (0 without checkpoints), or earlier, at the epoch its
+    stream had ended at when the checkpoint was cut (see below), and emits epoch after epoch,
     keeping at most ``max_in_flight`` epochs that ``probe`` (attach it to the end of the dataflow
     with ``stream.probe_with(probe)``, or pass :func:`sink`'s) has not seen complete; without a
     probe it emits as fast as it is scheduled. With checkpoints it is a participant named
     ``source/<name>`` that offers each checkpoint epoch (without state) when it reaches it.
+
+    Its end is checkpointed: when ``read`` returns ``None`` at epoch ``L``, the source closes
+    with meta ``{"ended": L}``, which every later checkpoint records. Other participants offer
+    their last changes at the next checkpoint epoch ``C > L``, so the job's last checkpoint may
+    be cut above ``L``; its state holds every input of this source (those before ``L``). A job
+    continued from it (more epochs, an epoch limit raised, rescaled) resumes this source at
+    ``min(C, L)``, so it reads the epochs ``L .. C - 1`` it never read (they were not in the
+    state), not from ``C`` on. Where the workers' sources ended at different epochs, the latest
+    of them counts (a worker whose source was still reading at the cut counts as ``C``): the
+    epochs some worker read are never read again.
     """
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
     ck = scope.worker.checkpoint
     participant = None if ck is None else ck.register(f"source/{name}")
-    start = 0 if ck is None else ck.resume_epoch
+    start = 0 if ck is None or participant is None else _start(ck.resume_epoch, participant.meta())
     b = OperatorBuilder(scope, name)
     out, stream = b.new_output()
     info = b.info
@@ -64,7 +75,7 @@ def source(scope: Scope, name: str, read: Read, max_in_flight: int = 2, probe: P
                 if records is None:
                     held.pop().drop()
                     if participant is not None:
-                        participant.close()
+                        participant.close({"ended": epoch})  # (recorded in later checkpoints: _start)
                     return
                 if participant is not None and ck is not None and ck.is_checkpoint(epoch):
                     participant.offer(epoch, {})  # every epoch before it is sent: resume here
@@ -81,6 +92,20 @@ def source(scope: Scope, name: str, read: Read, max_in_flight: int = 2, probe: P
     b.build(build)
     info.activator.activate()
     return stream
+
+
+def _start(resume: int, metas: dict[int, Any]) -> int:
+    """The epoch a source resumes at from a checkpoint of epoch ``resume`` whose workers recorded
+    ``metas`` for it (by worker): ``resume``, or the latest epoch the workers' streams had ended
+    at, if every worker's had (``{"ended": L}``) and that is earlier. Invariant: the checkpoint's
+    state holds no record of this source of the returned epoch or later, and every record read
+    before it (all of its records before it where the workers' streams ended together)."""
+    ends = []
+    for meta in metas.values():
+        if not (isinstance(meta, dict) and isinstance(meta.get("ended"), int)):
+            return resume  # that worker's source was still reading at the cut: its records reach `resume`
+        ends.append(meta["ended"])
+    return min(resume, max(ends)) if ends else resume
 
 
 def _slot(slots: int) -> Callable[[Any], int]:

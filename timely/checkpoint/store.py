@@ -167,6 +167,13 @@ class Store:
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
+    @property
+    def process_local(self) -> bool:
+        """True if the storage lives in this process's memory (fsspec ``memory://``): another
+        process, a forked worker included, sees none of what this one writes."""
+        protocol = self.fs.protocol
+        return "memory" in ((protocol,) if isinstance(protocol, str) else protocol)
+
     # -- writing -------------------------------------------------------------------------------
     def _write_atomic(self, path: str, data: bytes) -> None:
         """``data`` at ``path``, all or nothing, durable when this returns."""
@@ -235,6 +242,20 @@ class Store:
         path = self._path("pending")
         self.fs.invalidate_cache(path)
         return [n.rsplit("/", 1)[-1] for n in self.fs.ls(path, detail=False)]
+
+    def ended(self, peers: int) -> bool:
+        """True once every one of the ``peers`` workers of this run has written a final reached
+        marker (its state changes no more: its inputs ended, or the job did)."""
+        suffix = f"-{self._run}.json"
+        try:
+            final = set()
+            for n in self._pending_names():
+                if n.startswith("r-w") and n.endswith(suffix):
+                    if json.loads(self.fs.cat_file(self._path("pending", n)))["final"]:
+                        final.add(int(n[3:8]))
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"cannot read the reached markers in {self._path('pending')}: {e}") from e
+        return final >= set(range(peers))
 
     def committable(self, peers: int) -> tuple[int, list[dict]] | None:
         """The newest epoch that every worker of this run has reached, above the newest manifest,
@@ -401,8 +422,9 @@ class Store:
     # -- garbage collection --------------------------------------------------------------------
     def _collect(self, newest: Manifest) -> None:
         """Delete manifests beyond the newest ``keep`` and damaged ones, the parts no kept manifest
-        needs (of epochs up to ``newest``'s), the pending markers of those epochs and other runs'
-        reached markers."""
+        needs (of epochs up to ``newest``'s), the pending markers of those epochs, other runs'
+        reached markers and the temporary files of writes that can no longer be in progress (see
+        :meth:`_stale_tmp`)."""
         kept: list[Manifest] = []
         dropped: list[str] = []  # beyond the newest `keep`, or cut short (this store is the only writer)
         for _, p in reversed(self._manifest_paths()):
@@ -422,14 +444,43 @@ class Store:
         try:
             for p in dropped:
                 self.fs.rm_file(p)
-            for sub in ("parts", "pending"):
+            for sub in ("manifests", "parts", "pending"):
                 for n in self.fs.ls(self._path(sub), detail=False):
                     base = n.rsplit("/", 1)[-1]
+                    if ".tmp-" in base:
+                        if self._stale_tmp(sub, base, n, newest):
+                            self.fs.rm_file(n)
+                        continue
                     if base.startswith("r-w") and base.endswith(".json") and not base.endswith(f"-{self._run}.json"):
-                        self.fs.rm_file(n)  # another run's reached marker (not a write in progress: .tmp-)
-                    if not base.startswith("e") or not base[1:21].isdigit():
+                        self.fs.rm_file(n)  # another run's reached marker
+                    if sub == "manifests" or not base.startswith("e") or not base[1:21].isdigit():
                         continue
                     if int(base[1:21]) <= newest.epoch and base not in needed:
                         self.fs.rm_file(n)
         except OSError:
             pass  # garbage left behind is collected next time; the checkpoint itself is complete
+
+    def _stale_tmp(self, sub: str, base: str, path: str, newest: Manifest) -> bool:
+        """True if ``base``, a temporary file of :meth:`_write_atomic` in ``sub`` (its writer was
+        killed before the rename, or a write is in progress), is no write in progress, so
+        :meth:`_collect` may remove it:
+
+        * a manifest's: the committer (this store, the only one) writes one manifest at a time
+          and is not writing one now, so one of an epoch up to ``newest``'s, or older than
+          ``newest`` (modified before it was created), is a dead write's;
+        * a part's or part marker's of an epoch up to ``newest``'s: every worker of this run had
+          written its parts up to that epoch before the commit, and earlier runs have ended;
+        * another run's reached marker's (earlier runs have ended). This run's reached markers
+          move while it runs: their temporary files are left (a dead write's goes once another
+          run commits)."""
+        name = base.split(".tmp-", 1)[0]
+        if sub == "manifests":
+            if name.endswith(".json") and name[:-5].isdigit() and int(name[:-5]) <= newest.epoch:
+                return True
+            try:
+                return float(self.fs.info(path)["mtime"]) < newest.created
+            except (OSError, KeyError, TypeError, ValueError):
+                return False
+        if name.startswith("e") and name[1:21].isdigit():
+            return int(name[1:21]) <= newest.epoch
+        return name.startswith("r-w") and name.endswith(".json") and not name.endswith(f"-{self._run}.json")
