@@ -36,7 +36,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from timely.comm.secret import JobSecret, resolve
+from timely.comm.secret import CURVE_OVERHEAD, JobSecret, resolve
 from timely.errors import TimelyError
 
 from .controller import Controller
@@ -143,7 +143,8 @@ class ControlEndpoint:
         self._guard = secret.guard(self._ctx) if secret is not None else None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        # The limit counts a frame as it travels: under CURVE, with its encryption's overhead.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + (CURVE_OVERHEAD if secret is not None else 0))
         if secret is not None:
             secret.serve(self._sock)
         try:

@@ -332,3 +332,22 @@ def test_endpoint_and_dashboard_accept_the_same_move_twice_and_refuse_two_target
     with pytest.raises(ValueError, match="bin 5 is moved to both worker 0 and worker 1"):
         steering.rebalance({"moves": [[5, 0], [5, 1]]})
     assert steering.rebalance({"moves": [[5, 0], [5, 0]]})["moves"] == 1
+
+
+def test_under_a_secret_a_request_near_the_limit_is_answered(monkeypatch):
+    """The endpoint's frame limit counted a request as sent, but under CURVE it travels 33 bytes
+    longer: one within that of ``max_message_bytes`` dropped the connection (no answer)."""
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    keys = JobSecret.from_text("s3cret")
+
+    def near_the_limit(ctl):
+        ctl.control.secret = keys
+        return ControlEndpoint(ctl, "tcp://127.0.0.1:*", max_message_bytes=1024)
+
+    with Ticking(near_the_limit) as job:
+        req = {"op": "table", "pad": ""}
+        req["pad"] = "x" * (1024 - len(msgpack.packb(req)) - 2)  # (a str8 header became a str16)
+        assert len(msgpack.packb(req)) == 1024
+        reply = request(job.ep.endpoint, req, 10, secret=keys)
+        assert reply["ok"] or "pad" in reply.get("error", "")  # answered, whatever it says of the field

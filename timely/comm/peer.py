@@ -24,6 +24,7 @@ import zmq
 from .endpoints import ipc_path_in_use
 from .errors import AddressInUse, CommError, MessageTooLarge
 from .framing import HEADER, VERSION, Kind, buffer_frames, bundle, bundle_overhead, encode, pack_header
+from .secret import CURVE_OVERHEAD
 
 if TYPE_CHECKING:
     from .secret import JobSecret
@@ -42,10 +43,6 @@ HANDSHAKE_FAILED = int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAK
 #: is lost, so the worker fails (``Links._on_monitor``).
 MONITORED = int(zmq.EVENT_DISCONNECTED) | int(zmq.EVENT_CONNECTED) | HANDSHAKE_FAILED
 
-#: Bytes a frame grows by under CURVE, rounded up: libzmq encrypts each frame into a MESSAGE
-#: command (its 8-byte name, an 8-byte nonce, a flags byte and a 16-byte MAC: 33 bytes more), and
-#: the receiver's ``MAXMSGSIZE`` counts the encrypted frame.
-CURVE_OVERHEAD = 64
 #: Linux's bounds on keepalive probes (``TCP_KEEPCNT``) and on their idle time and interval in
 #: seconds (``TCP_KEEPIDLE``, ``TCP_KEEPINTVL``): beyond them setsockopt fails, and libzmq then
 #: drops every connection attempt (a job that never starts).

@@ -34,6 +34,10 @@ ENV = "TIMELY_SECRET"
 ENV_FILE = "TIMELY_SECRET_FILE"
 #: ZAP domain of the job's CURVE servers.
 DOMAIN = "timely"
+#: Bytes a frame grows by under CURVE, rounded up: libzmq encrypts each frame into a MESSAGE
+#: command (its 8-byte name, an 8-byte nonce, a flags byte and a 16-byte MAC: 33 bytes more), and
+#: a receiver's ``MAXMSGSIZE`` counts the encrypted frame (add it to the limit of a secured socket).
+CURVE_OVERHEAD = 64
 
 
 class SecretError(TimelyError, ValueError):
