@@ -313,6 +313,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--precopy-chunk", type=int, default=None, metavar="ENTRIES",
                     help="entries per pre-copy chunk (default megaphone.precopy.CHUNK); a slice gives way "
                          "to a peer's message after the chunk it is sending")
+    ap.add_argument("--precopy-arrears", type=float, default=None, metavar="SECONDS",
+                    help="the most a late slice on an idle worker runs beyond its budget to catch up on its pace "
+                         "(megaphone.precopy.MAX_ARREARS, default 0.001; 0: give way after min_slice as before)")
     ap.add_argument("--precopy-max-share", type=float, default=None,
                     help="the most of an idle worker's time the copies may take (megaphone.precopy.MAX_SHARE, "
                          "default 0.25; at most --precopy-share: a fixed share)")
@@ -360,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                    "warmup": args.warmup, "keys": args.keys, "k": args.k, "epoch_ms": args.epoch_ms,
                    "gc": args.gc, "seed": args.seed + run, "spare": args.spare, "control_lead": args.control_lead,
                    "precopy_share": args.precopy_share, "precopy_max_share": args.precopy_max_share,
-                   "precopy_chunk": args.precopy_chunk,
+                   "precopy_chunk": args.precopy_chunk, "precopy_arrears": args.precopy_arrears,
                    "profile": os.path.abspath(args.profile) if args.profile else None}
             t0 = time.time()
             m = analyse(cfg, execute(cfg, args.workers, start="spawn", timeout=args.timeout))

@@ -86,6 +86,13 @@ SHARE = 0.05
 IDLE_FRACTION = 0.5
 #: The most of a worker's time the copies take, however idle it is (at most :data:`SHARE` when lower).
 MAX_SHARE = 0.25
+#: The most seconds a slice on an idle worker may run beyond :data:`BUDGET` and :data:`MIN_SLICE`
+#: to catch up on the copying its pace allowed while no idle moment came (its *arrears*: the time
+#: since the rate limit ended, times the paced share). Where idle moments are rarer than the rate
+#: limit (a worker among many peers wakes for each one's message), each slice gave way after one
+#: chunk and the copy went at a chunk per idle moment, whatever the share (4 workers on 2 cores: a
+#: slice every 6.5 ms, 1.3 chunks each). A peer's message waits at most this much longer.
+MAX_ARREARS = 0.001
 #: Seconds over which the worker's idle time is averaged for the pace (an exponentially weighted
 #: mean of the gaps between slices). The last gap alone was too short a window: a gap that held an
 #: epoch's work paced the next slice at SHARE, and as every slice waits ``spent / share`` after it,
@@ -327,11 +334,14 @@ class PreCopier:
         self.waiting: Callable[[], bool] = lambda: False
         self._gives_way = True  # the current slice ends when other work waits
         self.min_slice = MIN_SLICE
+        self.max_arrears = MAX_ARREARS
+        self._arrears = 0.0  # seconds the current slice may run beyond budget and min_slice (step)
+        self._behind = False  # the last slice left chunks to send: time past `resume` is owed copying
 
     def _yield(self, began: float) -> bool:
         """The slice begun at ``began`` ends now: its :attr:`budget` is spent, or it ran
-        :attr:`min_slice` and other work waits."""
-        spent = _time.perf_counter() - began
+        :attr:`min_slice` and other work waits (each after its arrears: :meth:`step`)."""
+        spent = _time.perf_counter() - began - self._arrears
         return spent > self.budget or (self._gives_way and spent > self.min_slice and self.waiting())
 
     @property
@@ -562,7 +572,12 @@ class PreCopier:
         (neither running nor waiting for a CPU: a worker that waits for a core taken by others is
         not idle), at most
         :data:`MAX_SHARE`. A busy worker copies at about half of :attr:`share`; an idle one up to
-        ``MAX_SHARE / share`` times as fast (5x by default), in slices of :attr:`budget` that delay a record by at most that."""
+        ``MAX_SHARE / share`` times as fast (5x by default), in slices of :attr:`budget` that delay a record by at most that.
+
+        A slice on an idle worker that comes later than the rate limit allowed, while the copy had
+        chunks left, runs its arrears first (the time since the limit ended times the paced share,
+        at most :attr:`max_arrears`) before it counts its budget or gives way: otherwise, where idle
+        moments come less often than the limit allows, the copy would go at a chunk per idle moment."""
         began = _time.perf_counter()
         overdue = self.resume + self._grace
         if began < self.resume or (busy and began < overdue):
@@ -583,6 +598,12 @@ class PreCopier:
                                        (times[0] - last[1][0]) + (times[1] - last[1][1]))
             if self._busy is not None:
                 share = paced_share(share, 1.0, self._busy)
+        # Arrears: a slice on an idle worker that comes later than its rate limit allowed (no idle
+        # moment came sooner) may also copy what the pace allowed meanwhile, up to max_arrears; a
+        # copy that had sent everything owes nothing for the time it had nothing to send.
+        self._arrears = 0.0
+        if self._gives_way and self._behind:
+            self._arrears = min(self.max_arrears, max(0.0, began - self.resume) * share)
         try:
             more = self._send(out, began)
         finally:
@@ -590,6 +611,8 @@ class PreCopier:
             self.resume = began + (end - began) / share  # this slice, then (1 - share) of idle copying
             self._grace = (end - began) / share
             self._slice_end = (end, _thread_times())
+            self._arrears = 0.0
+        self._behind = more is not None
         if more is None:
             return None
         wait = self.resume - end

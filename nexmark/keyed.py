@@ -206,6 +206,8 @@ def job(worker: timely.Worker) -> dict:
         megaphone.precopy.MAX_SHARE = cfg["precopy_max_share"]
     if cfg.get("precopy_chunk") is not None:  # entries per copy chunk: what a peer's message may wait for
         megaphone.precopy.CHUNK = cfg["precopy_chunk"]
+    if cfg.get("precopy_arrears") is not None:  # how long a late slice may catch up on its pace
+        megaphone.precopy.MAX_ARREARS = cfg["precopy_arrears"]
     control = mig = None
     state: dict = {}
     if mode == "restart":

@@ -411,6 +411,90 @@ def test_the_pace_averages_the_idle_time_over_a_window_not_the_last_gap():
 
 
 
+class _Clock:
+    """A fake ``time`` for :mod:`megaphone.precopy`: each reading of the clock advances it by ``tick``."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 100.0, tick
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class _Cap:
+    time = 0
+
+    def drop(self) -> None:
+        pass
+
+
+class _Out:
+    def __init__(self) -> None:
+        self.chunks = 0
+
+    def give_batch(self, cap, batch) -> None:
+        self.chunks += len(batch)
+
+
+def test_a_slice_after_a_long_wait_for_an_idle_moment_catches_up_on_its_pace(monkeypatch):
+    """Where idle moments come less often than the rate limit allows, and other work is always
+    waiting, a slice used to give way after one chunk: the copy went at a chunk per idle moment,
+    whatever its share. A slice that comes late now also copies the arrears (the time since its
+    rate limit ended times the share, at most ``max_arrears``); a copy that had nothing left to
+    send owes nothing for that time."""
+    import megaphone.precopy as pc
+    from megaphone.bins import Shared
+
+    clock = _Clock(tick=0.00002)  # three readings a chunk: 60 us a chunk
+    monkeypatch.setattr(pc, "_time", clock)
+    monkeypatch.setattr(pc, "_thread_times", lambda: None)  # the pace: the share, not the idle time
+    shared = Shared("Test", k=1, index=0, peers=2)
+    shared.bins[0].state.update((i, i) for i in range(100_000))
+    copier = pc.PreCopier(shared, chunk=10, budget=0.0005, min_entries=0, share=0.25)
+    copier.min_slice, copier.max_arrears = 0.0001, 0.001
+    copier.waiting = lambda: True  # a peer's message always waits: every slice gives way early
+    out = _Out()
+
+    def slice_at(delay: float) -> int:
+        """Chunks sent by a slice on an idle worker ``delay`` seconds after its rate limit ended."""
+        clock.now = max(clock.now, copier.resume) + delay
+        before, start = out.chunks, clock.now
+        assert copier.step(out, busy=False) is not None
+        spans.append((start, clock.now))
+        return out.chunks - before
+
+    spans: list[tuple[float, float]] = []
+
+    copier.start(0, 1, _Cap(), out)
+    first = slice_at(0.0)
+    on_time = slice_at(0.0)
+    late = slice_at(0.002)  # arrears 0.5 ms
+    very_late = slice_at(1.0)  # arrears capped at max_arrears
+    assert first == on_time == 2  # min_slice (0.1 ms) reached after the second chunk, then gives way
+    assert abs(late - (0.0001 + 0.0005) / 0.00006) <= 1  # and 0.5 ms more: about 10 chunks in all
+    assert abs(very_late - (0.0001 + 0.001) / 0.00006) <= 1  # at most max_arrears more: about 18
+    # The arrears are time copied: the rate limit after a long slice is longer in proportion.
+    slice_at(1.0)
+    start, end = spans[-1]
+    assert copier.resume - start == pytest.approx((end - start) / 0.25, rel=0.05)
+
+    # A copy that had sent everything owes nothing for the time until the next one.
+    small = pc.PreCopier(shared, chunk=100_000, budget=0.0005, min_entries=0, share=0.25)
+    small.min_slice, small.max_arrears, small.waiting = 0.0001, 0.001, lambda: True
+    small.start(0, 1, _Cap(), out)
+    assert small.step(out, busy=False) is None  # one chunk: all of it
+    copier = small
+    copier.chunk = 10
+    shared.bins[1] = shared.bins[0]  # (a second bin held here, for a new copy)
+    shared.config_tables[-1] = [0, 0]
+    copier.start(1, 1, _Cap(), out)
+    assert slice_at(1.0) == 2
+
+
 def _copies_at_close_job(worker, replica: bool):
     """A bin of 20,000 keys copied ahead (or replicated) to worker 1 at a pace that would take
     minutes, then both inputs closed: the dataflow ends, and the copy is logged as dropped."""
