@@ -182,11 +182,11 @@ class BalancePolicy:
 
 
 def check_interval(value: Any) -> float:
-    """The AutoBalancer's ``interval`` as seconds: a positive finite number, else ``ValueError``
-    naming it (0 or less evaluated the policy at every metrics report)."""
+    """The AutoBalancer's ``interval`` as seconds: a finite number, 0 or more (0: at every metrics
+    report), else ``ValueError`` naming it (a negative or nan one acted as 0, silently)."""
     seconds = float(value)
-    if not 0 < seconds < math.inf:
-        raise ValueError(f"interval must be a positive number of seconds, not {value!r}")
+    if not 0 <= seconds < math.inf:
+        raise ValueError(f"interval must be a number of seconds, 0 or more, not {value!r}")
     return seconds
 
 

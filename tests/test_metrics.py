@@ -143,8 +143,8 @@ def test_port_in_use_is_reported_and_the_job_runs(monkeypatch, capfd, option, wh
     (["--autobalance", "strategy=nope"], "--autobalance: strategy='nope' is not auto or one of"),
     (["--autobalance", "threshold=0.2,target=0.3"], "must be below threshold"),
     (["--autobalance", "threshold=0"], "threshold must be positive"),
-    (["--autobalance", "interval=0"], "--autobalance: interval must be a positive number of seconds, not 0.0"),
-    (["--autobalance", "interval=nan"], "interval must be a positive number of seconds, not nan"),
+    (["--autobalance", "interval=-1"], "--autobalance: interval must be a number of seconds, 0 or more, not -1.0"),
+    (["--autobalance", "interval=nan"], "interval must be a number of seconds, 0 or more, not nan"),
 ])
 def test_launcher_refuses_bad_options(tmp_path, capsys, argv, message):
     job = tmp_path / "job.py"
