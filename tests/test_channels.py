@@ -257,3 +257,29 @@ def test_a_job_blames_the_operator_that_produced_an_unserialisable_record():
     with pytest.raises(WorkerError, match=r"operator 'Setter' failed: .*record \(\d+, \{\d+\}\) at time 0 cannot be "
                                           r"sent to another worker"):
         execute_cluster(_unserialisable_record_job, 2)
+
+
+def _many_epochs_in_one_step_job(worker):
+    """Worker 0 sends records at 300 epochs before it steps: its first step's progress batch is
+    far larger than a message of 1 KiB. Per key, the count of each epoch."""
+    out = []
+    with worker.dataflow() as scope:
+        inp = scope.new_input()
+        probe = inp.stream.map(lambda x: (x, 1)).count_by_key(0).inspect(out.append).probe()
+    for e in range(300):
+        if worker.index == 0:
+            inp.send_batch([e, e + 1, e + 2, e + 3])
+        inp.advance_to(e + 1)
+    inp.close()
+    worker.step_while(lambda: not probe.done(), timeout=40)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("progress", ["direct", "relay"])
+def test_a_progress_batch_larger_than_a_message_is_sent_in_pieces(progress):
+    """A step's progress batch went as one message: past max_message_bytes (many epochs in one
+    step) the job failed with MessageTooLarge. It goes in pieces, the positive updates first."""
+    results = execute_cluster(_many_epochs_in_one_step_job, 3, timeout=60, progress=progress, max_message_bytes=1024)
+    got = sorted(r for result in results for r in result)
+    assert got == sorted((e + k, 1) for e in range(300) for k in range(4))

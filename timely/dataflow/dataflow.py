@@ -243,16 +243,36 @@ class Dataflow:
         if self._relay is not None:
             self._relay_progress(self._relay, updates)
             return
-        head = (self.digest, self.index, self._sent)
-        self._sent += 1
-        bodies = None
-        for worker, pusher in enumerate(self._progress_pushers):
-            if worker == self.index:
-                pusher.push((head, updates))
-            else:
-                if bodies is None:
-                    bodies = [pusher.encode_items(updates)]
-                pusher.push_items(head, bodies, len(updates))
+        for items, body in self._pieces(updates):
+            head = (self.digest, self.index, self._sent)
+            self._sent += 1
+            for worker, pusher in enumerate(self._progress_pushers):
+                if worker == self.index:
+                    pusher.push((head, items))
+                else:
+                    pusher.push_items(head, [body], len(items))
+
+    def _pieces(self, updates: list) -> list[tuple[list, Any]]:
+        """``updates`` as batches that fit one message each, with their encoding: one, or, when
+        too large (many times in one step under a small ``max_message_bytes``), the positive
+        updates first, then pieces cut to fit. Each piece is a batch of its own (its own sequence
+        number), applied when it arrives. Invariant relied on: applying a step's positive updates
+        before its negative ones (and any part of the negatives after all the positives) never
+        shows a frontier beyond the true one: a +1 only holds times back, and every -1 of the step
+        is matched by the +1s it came with, which are in place by then."""
+        remote = next((p for w, p in enumerate(self._progress_pushers) if w != self.index), None)
+        if remote is None:
+            return [(updates, None)]
+        body = remote.encode_items(updates)
+        limit = remote.max_bytes
+        if limit is None or len(body) <= body_limit(limit) or len(updates) == 1:
+            return [(updates, body)]
+        ordered = sorted(updates, key=lambda u: u[2] < 0)  # (stable: positives first, in order)
+        out, at = [], 0
+        for count, piece in halved(remote.encode_items, ordered, body_limit(limit)):
+            out.append((ordered[at:at + count], piece))
+            at += count
+        return out
 
     def _relay_progress(self, relay: int, updates: list) -> None:
         """``"relay"`` mode: our batch (if ``updates``) goes to us and to the relay only; the relay
@@ -265,13 +285,16 @@ class Dataflow:
         each sender's order, and its own batches join the same sequence."""
         batches = self._forward
         if updates:
-            head = (self.digest, self.index, self._sent)
-            self._sent += 1
-            self._progress_pushers[self.index].push((head, updates))
+            for items, _ in self._pieces(updates):
+                head = (self.digest, self.index, self._sent)
+                self._sent += 1
+                self._progress_pushers[self.index].push((head, items))
+                if self.index != relay:
+                    self._progress_pushers[relay].push((head, items))
+                else:
+                    batches.append((head, items))
             if self.index != relay:
-                self._progress_pushers[relay].push((head, updates))
                 return
-            batches.append((head, updates))
         if not batches:
             return
         self._forward = []
