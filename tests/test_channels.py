@@ -194,6 +194,28 @@ def test_an_unserialisable_record_is_an_error_naming_operator_and_record():
         channel.push(0, [(1, 2), (1, {2})])
 
 
+def test_the_record_blamed_is_the_one_that_cannot_be_encoded_not_one_holding_an_extension_type():
+    """A record holding a registered extension type (an Arrow batch, which crosses workers) was
+    blamed for another record's fault: the check used plain msgpack."""
+    pa = pytest.importorskip("pyarrow")
+    import timely.columnar  # noqa: F401  (registers pyarrow.RecordBatch)
+
+    channel, _, _, _ = make_channel(BroadcastChannel, 2)
+    batch = pa.RecordBatch.from_pydict({"a": [1, 2]})
+    with pytest.raises(TypeError, match=r"record \(2, <object object at .*>\) at time 0 cannot be sent"):
+        channel.push(0, [(1, batch), (2, object())])
+
+
+def test_exchange_true_is_refused_not_taken_for_field_1():
+    from timely.dataflow.channels import Exchange, pact_of
+
+    for key in (True, False):
+        with pytest.raises(TypeError, match=f"exchange key must be a field index, a function or None, not {key}"):
+            Exchange(key)
+    with pytest.raises(TypeError, match="not True"):
+        pact_of(True)
+
+
 # -- end to end -------------------------------------------------------------------------------------
 def _exchange_job(worker):
     n = int(worker.args[0])

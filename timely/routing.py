@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
-
 from ._native.hashing import add_keys, bins_of, gather, hash64, hash_batch, partition, route_bins
 
-__all__ = ["add_keys", "bins_of", "gather", "hash64", "partition", "route_bins", "serialisable", "unroutable"]
+__all__ = ["add_keys", "bins_of", "gather", "hash64", "partition", "route_bins", "unroutable"]
 
 
 def unroutable(batch: Any, key: Any) -> Any:
@@ -27,10 +25,3 @@ def unroutable(batch: Any, key: Any) -> Any:
     return None
 
 
-def serialisable(record: Any) -> bool:
-    """True when ``record`` can be sent to another worker (msgpack can encode it)."""
-    try:
-        msgpack.packb(record)
-        return True
-    except Exception:
-        return False

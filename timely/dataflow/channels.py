@@ -51,7 +51,8 @@ class Exchange(Pact):
     """
 
     def __init__(self, key: Key) -> None:
-        if not (key is None or isinstance(key, int) or callable(key)):
+        if isinstance(key, bool) or not (key is None or isinstance(key, int) or callable(key)):
+            # (True is an int: it routed tuples by their second field, silently)
             raise TypeError(f"exchange key must be a field index, a function or None, not {key!r}")
         self.key = key
 
@@ -201,7 +202,7 @@ class _RemoteChannel(Channel):
         try:
             pieces = halved(self._encode, part, self._max_body)
         except (TypeError, ValueError, OverflowError) as e:
-            bad = next((r for r in part if not routing.serialisable(r)), None)
+            bad = next((r for r in part if not self._encodes(r)), None)
             raise TypeError(
                 f"operator '{self.op_name}': record {bad!r:.200} at time {time!r} cannot be sent to "
                 f"another worker: records must be msgpack-serialisable ({e})"
@@ -213,6 +214,15 @@ class _RemoteChannel(Channel):
                     f"operator '{self.op_name}': record {record!r:.200} at time {time!r} is {len(body):,} bytes "
                     f"encoded, more than one message may carry (max_message_bytes)")
         return pieces
+
+    def _encodes(self, record: Any) -> bool:
+        """True when ``record`` encodes as the channel encodes (with the registered extension
+        types: a record holding an Arrow batch is not the one to blame)."""
+        try:
+            self._encode([record])
+            return True
+        except Exception:
+            return False
 
     def _gathering(self, worker: int, time: Any) -> list:
         """The pieces gathered for ``worker`` at ``time`` (what was gathered at another time is sent first)."""
