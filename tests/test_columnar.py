@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -437,3 +438,45 @@ def test_filter_refuses_view_columns_when_the_stream_is_built():
         return True
 
     assert timely.execute(main) == [True]
+
+
+MIXED = pa.schema([("k", pa.int64()), ("s", pa.string())])
+
+
+def _mixed_batch(epoch: int, worker: int) -> pa.RecordBatch:
+    rng = np.random.default_rng(epoch * 10 + worker)
+    keys = rng.integers(0, 50, 40).tolist()
+    strings = ["x" * n for n in rng.choice([0, 1, 5, 50, 300], 40).tolist()]
+    return pa.RecordBatch.from_arrays([pa.array(keys, pa.int64()), pa.array(strings)], schema=MIXED)
+
+
+def _mixed_exchange_job(worker):
+    out = []
+    with worker.dataflow() as scope:
+        inp = columnar.new_input(scope, MIXED)
+        moved = inp.stream.exchange_by("k")
+        moved.to_rows().inspect(lambda r: out.append((worker.index, r[0], len(r[1]))))
+        probe = moved.probe()
+    for e in range(5):
+        inp.send(_mixed_batch(e, worker.index))
+        inp.advance_to(e + 1)
+    inp.close()
+    worker.step_while(lambda: not probe.done(), timeout=40)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("limit", [1024, 2048])
+def test_a_part_near_a_small_message_limit_is_measured_and_cut_to_fit(limit):
+    """A part's message carries its head and a slice's buffers from the byte-aligned start, more
+    than its rows' bytes: under a limit of 1-2 KiB a single part went over it (MessageTooLarge).
+    Parts near the limit are measured, compacted or halved."""
+    from timely.cluster import execute_cluster
+
+    results = execute_cluster(_mixed_exchange_job, 3, timeout=60, max_message_bytes=limit)
+    got = sorted((k, n) for result in results for _, k, n in result)
+    expected = sorted((k, len(s)) for e in range(5) for w in range(3)
+                      for k, s in zip(*(c.to_pylist() for c in _mixed_batch(e, w).columns)))
+    assert got == expected
+    placed = {(w, k) for result in results for w, k, _ in result}
+    assert len({k for _, k in placed}) == len(placed)  # every key on one worker

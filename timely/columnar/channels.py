@@ -182,13 +182,31 @@ class ColumnChannel(Channel):
         """``batch`` in slices small enough for one message each (counted before they are sent)."""
         # (the buffers' total bounds the rows' bytes, and costs nothing to read; a slice's own
         # bytes cost microseconds: asked only when the bound is not enough)
-        if batch.get_total_buffer_size() <= self._max_body or batch.nbytes <= self._max_body:
+        if batch.get_total_buffer_size() + PART_SLACK <= self._max_body or batch.nbytes + PART_SLACK <= self._max_body:
             return [batch]
+        # Near the limit (a small max_message_bytes): a part's message carries more than its rows'
+        # bytes (its head, and a slice's buffers from the byte-aligned start), so measure it.
+        size = batch.nbytes
+        if size <= self._max_body:
+            limit = self.pushers[(self.index + 1) % self.peers].max_bytes
+            size = self._message_size(time, batch)
+            if limit is None or size <= limit:
+                return [batch]
+            compact = batch.take(pa.array(range(batch.num_rows)))  # its own buffers, from offset 0
+            size = self._message_size(time, compact)
+            if size <= limit:
+                return [compact]
         if batch.num_rows == 1:
-            raise ValueError(f"operator '{self.op_name}': a row at time {time!r} is {batch.nbytes:,} bytes, "
+            raise ValueError(f"operator '{self.op_name}': a row at time {time!r} is {size:,} bytes in a message, "
                              f"more than one message may carry (max_message_bytes)")
         half = batch.num_rows // 2
         return self._fit(time, batch.slice(0, half)) + self._fit(time, batch.slice(half))
+
+    def _message_size(self, time: Any, batch: pa.RecordBatch) -> int:
+        """Bytes of a message carrying ``batch`` alone."""
+        meta, buffers = codec.encode([batch])
+        pusher = self.pushers[(self.index + 1) % self.peers]
+        return sum(b.size for b in buffers) + len(pusher.encode_items([(time, meta)]))
 
     def _add(self, worker: int, time: Any, batch: pa.RecordBatch) -> None:
         size = batch.nbytes
