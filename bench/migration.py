@@ -7,7 +7,7 @@ The paper's migration microbenchmark (Megaphone, section 5.3; ARCHITECTURE.md se
 * an open-loop generator at ``--rate`` records/s in total (``nexmark.openloop``): each worker
   feeds its share, records' scheduled times are fixed in advance from the rate, the logical time
   of a record is the elapsed millisecond at which its ``--epoch-ms`` epoch starts, and the control
-  input advances in lockstep with the data;
+  input runs ``--control-lead`` epochs ahead of the data (default 1; 0: in lockstep);
 * latency of a record = wall time at which the output probe passes its epoch minus its scheduled
   time (queueing included: no coordinated omission), computed with numpy from per-epoch
   completion times;

@@ -196,6 +196,7 @@ class ColumnarQuery(NamedTuple):
         :data:`BID_SCHEMA` (fed by :class:`BidColumns`); ``control`` must be ``None``."""
         if control is not None:
             raise ValueError(f"{self.name} has no Megaphone variant")
+        params.check()
         return self.columnar(from_batches(streams.bids, BID_SCHEMA, name="Bid batches"), params).stream
 
 

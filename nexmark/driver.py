@@ -156,6 +156,8 @@ class WorkerRun:
             self.targets = _targets(self.controller, worker.peers, len(spec.migrate_at), spec.skew)
         self.migrations = sorted(spec.migrate_at)
         self.strategy, _, self.extra = str(spec.migration).partition("+")  # "batched+precopy", "batched+replica"
+        if self.extra == "replica" and not spec.migrate_at:  # (the replicas are of the first migration's target)
+            raise ValueError(f"migration {spec.migration!r} needs a time to migrate at (migrate_at is empty)")
         self.replica_time: int | None = None  # when the standby replicas were requested
         self.history = int(spec.history * 1000)  # epochs replayed before the measured phase
         self.schedule = Schedule(spec.rate, 1, worker.index, worker.peers, origin=self.history)
@@ -178,7 +180,9 @@ class WorkerRun:
     def _feed(self, target: int) -> int:
         """Send every event scheduled before epoch ``target`` at the current epoch, advance the
         inputs to ``target`` and the control input to ``target`` plus the spec's ``control_lead``;
-        return the number of events sent."""
+        return the number of events this worker generated (a columnar query's batches hold its
+        bids only: counted as events, as the schedule and ``rate`` count them)."""
+        before = self.gen.next
         batch = self.gen.until(self.config.first_event(target))
         for inp, recs in zip(self.inputs, batch):
             if recs:
@@ -191,7 +195,8 @@ class WorkerRun:
             # yet, so its table is final while the epoch before it completes (README, "Control
             # one time ahead of the data").
             self.control.advance_to(target + self.spec.control_lead)
-        return batch.total
+        # (the cursor steps by peers: this worker's events are every peers-th event number)
+        return (self.gen.next - before) // self.worker.peers
 
     def send_round(self, due: int, now: float) -> None:
         """A measured round up to measured epoch ``due``: :meth:`_feed`, announced to the

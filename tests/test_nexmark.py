@@ -214,3 +214,22 @@ def test_the_benchmarks_param_option_parses_q3_states():
     assert parse_params(["q3_states=OR, WA", "q2_skip=7"]) == {"q3_states": ("OR", "WA"), "q2_skip": 7}
     with pytest.raises(SystemExit, match="q2_skip needs an integer, not 'x'"):
         parse_params(["q2_skip=x"])
+
+
+def test_query_builders_check_their_params():
+    """Params that Params.check() refuses were accepted by the builders: Q5 with a window not a
+    multiple of its slide silently used window // slide slices, a zero window failed with a bare
+    ZeroDivisionError inside an operator."""
+    from nexmark.columnar import COLUMNAR_QUERIES
+    from nexmark.model import Params
+    from nexmark.queries import QUERIES
+
+    for name, params, message in (("q5", Params(d=3, q5_window_ms=10, q5_slide_ms=4), "multiple of q5_slide_ms"),
+                                  ("q7", Params(d=3, q7_window_ms=0), "q7_window_ms")):
+        for control in (None, object()):
+            with pytest.raises(ValueError, match=message):
+                QUERIES[name].build(None, params, control)  # (checked before the streams are touched)
+        col = COLUMNAR_QUERIES.get(f"{name}-col")
+        if col is not None:
+            with pytest.raises(ValueError, match=message):
+                col.build(None, params)

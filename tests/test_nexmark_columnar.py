@@ -100,5 +100,7 @@ def test_driver_runs_a_columnar_query():
     results = run(spec, timeout=100)
     sent, produced = sum(r["sent"] for r in results), sum(r["produced"] for r in results)
     bids = sum(b.num_rows for i in range(2) for b in BidColumns(spec.config(), i, 2).until(25_000).bids)
-    assert sent == bids  # the columnar source counts bids, not batches
-    assert 0 < produced < sent
+    # Every event the schedule generated counts, as for the row queries (the bids alone read 8%
+    # low against a row query at the same rate), though only the bids travel.
+    assert sent == 25_000 > bids
+    assert 0 < produced < bids

@@ -28,7 +28,9 @@ class Query(NamedTuple):
     description: str
 
     def build(self, streams: Streams, params: Params, control: Any = None) -> timely.Stream:
-        """The output stream: the Megaphone variant when ``control`` is given, else the native one."""
+        """The output stream: the Megaphone variant when ``control`` is given, else the native one
+        (``params`` checked first: :meth:`~nexmark.model.Params.check`)."""
+        params.check()
         if control is None:
             return self.native(streams, params)
         return self.flex(streams, control, params)
