@@ -29,11 +29,12 @@ The paper's migration microbenchmark (Megaphone, section 5.3; ARCHITECTURE.md se
   "plain exchange, no migration" reference of the targets.
 
 The migration window, in scheduled time, is ``[begin, end)``: ``begin`` is the start of the epoch
-at which the first step was issued (restart: the first epoch held back by the pause), ``done`` the
+at which the first step was issued, or its copy ahead requested where the strategy copies ahead
+(restart: the first epoch held back by the pause), ``done`` the
 wall time at which the controller saw the probe pass the last step (restart: the new dataflow was
 built and the input resumed), and ``end`` the wall time at which the probe passed the epoch that was
 being fed at ``done`` (so the backlog present at ``done`` has drained). "duration" is ``done`` minus
-the wall time of the first step's issue (restart: of the pause); max and p99 latency are over every
+the wall time of the first step's issue or copy request (restart: of the pause); max and p99 latency are over every
 record scheduled in the window. Steady state = records scheduled in ``[--warmup, begin)``.
 
     .venv/bin/python bench/migration.py                       # defaults: all strategies, 3 runs

@@ -295,6 +295,7 @@ class WorkerRun:
         for e in (self.controller.events if self.controller is not None else []):
             d = e.as_dict()
             d["issued_rel"] = None if e.issued_at is None else e.issued_at - start
+            d["copy_rel"] = None if e.copy_at is None else e.copy_at - start  # its copy ahead requested
             d["completed_rel"] = None if e.completed_at is None else e.completed_at - start
             steps.append(d)
         # Close the inputs (windows still open flush now; not measured) and run to completion.

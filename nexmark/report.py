@@ -74,10 +74,12 @@ def summarise(label: str, spec: Any, results: list[dict]) -> Summary:
 
 
 def migration_metrics(s: Summary) -> dict[int, dict[str, Any]]:
-    """Steps, duration (first issue to last completion) and latency around it, per migration:
+    """Steps, duration (its start to the last completion) and latency around it, per migration:
     ``max_latency`` is the maximum and ``p99_latency`` the worst p99 of the timeline's 250 ms
-    buckets of scheduled time that begin from one bucket before the first issue to one bucket
-    after the last completion (so records scheduled up to 0.25 s before and 0.5 s after count)."""
+    buckets of scheduled time that begin from one bucket before its start to one bucket after the
+    last completion (so records scheduled up to 0.25 s before and 0.5 s after count). A migration
+    starts at its first step's copy ahead, where copied ahead (as ``bench/migration.py``
+    counts it), else at its first issue."""
     by_mig: dict[int, list[dict]] = {}
     for st in s.steps:
         by_mig.setdefault(st["migration"], []).append(st)
@@ -87,7 +89,7 @@ def migration_metrics(s: Summary) -> dict[int, dict[str, Any]]:
         done = [st["completed_rel"] for st in steps if st["completed_rel"] is not None]
         if not issued:
             continue
-        start = min(issued)
+        start = min(issued + [st["copy_rel"] for st in steps if st.get("copy_rel") is not None])
         end = max(done) if len(done) == len(steps) else None
         hi = (end if end is not None else s.duration) + INTERVAL
         during = [r for r in s.timeline if start - INTERVAL <= r[0] <= hi]
