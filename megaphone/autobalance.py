@@ -181,6 +181,15 @@ class BalancePolicy:
         return target
 
 
+def check_count(knob: str, value: Any) -> int:
+    """The AutoBalancer's ``hold`` or ``window`` (``knob``) as an int: a whole number of evaluations,
+    else ``ValueError`` naming it (``int()`` truncated 2.7 to 2 silently, and raised OverflowError
+    for inf). :class:`BalancePolicy` checks that it is positive."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value):
+        raise ValueError(f"{knob} must be a whole number of evaluations, not {value!r}")
+    return int(value)
+
+
 def check_interval(value: Any) -> float:
     """The AutoBalancer's ``interval`` as seconds: a finite number, 0 or more (0: at every metrics
     report), else ``ValueError`` naming it (a negative or nan one acted as 0, silently)."""
@@ -219,8 +228,9 @@ class AutoBalancer:
             raise ValueError(f"unknown strategy {self.strategy!r} (expected auto or one of {', '.join(STRATEGIES)})")
         self.interval = check_interval(opts["interval"])
         self.policy = BalancePolicy(controller.peers, float(opts["threshold"]),
-                                    None if opts["target"] is None else float(opts["target"]), int(opts["hold"]),
-                                    float(opts["cooldown"]), int(opts["window"]), float(opts["min_busy"]))
+                                    None if opts["target"] is None else float(opts["target"]),
+                                    check_count("hold", opts["hold"]), float(opts["cooldown"]),
+                                    check_count("window", opts["window"]), float(opts["min_busy"]))
         self.decisions: deque[dict[str, Any]] = deque()  # the newest (see _decided)
         self.max_decisions, self.max_decision_bins = MAX_DECISIONS, MAX_DECISION_BINS
         self._decision_bins = 0  # the bins they name
@@ -239,7 +249,8 @@ class AutoBalancer:
         asking for ``name`` (balancing by one of them would move the others' bins blindly)."""
         nbins = self.controller.nbins
         names = sorted(n for n, agg in bins.items()
-                       if agg["reports"] and all(len(counts) == nbins for _, counts in agg["reports"].values()))
+                       if agg["reports"] and not agg.get("retired")  # (a completed operator's final counts)
+                       and all(len(counts) == nbins for _, counts in agg["reports"].values()))
         if len(names) > 1:
             if not self._ambiguous:
                 self._ambiguous = True
@@ -267,9 +278,12 @@ class AutoBalancer:
 
     def poll(self) -> None:
         """Evaluate the policy if ``interval`` has passed and new reports arrived (a poller of
-        :meth:`Controller.tick <megaphone.Controller.tick>`)."""
+        :meth:`Controller.tick <megaphone.Controller.tick>`). Nothing once the control input is
+        closed (no migration can start; a driver may tick on while it drains); a migration the
+        controller refuses is reported on stderr, and the job runs on."""
         now = _time.monotonic()
-        if now < self._next or self.hub.received == self._seen:
+        closed = getattr(getattr(self.controller, "control", None), "closed", False)  # (a stand-in may have none)
+        if now < self._next or self.hub.received == self._seen or closed:
             return
         self._next = now + self.interval
         self._seen = self.hub.received
@@ -293,7 +307,12 @@ class AutoBalancer:
             return
         moved = [b for b, (w0, w1) in enumerate(zip(c.planned_table, target)) if w0 != w1]
         strategy = choose_strategy(moved, agg["state"]) if self.strategy == "auto" else self.strategy
-        mid = c.rebalance(target, strategy)
+        try:
+            mid = c.rebalance(target, strategy)
+        except TimelyError as e:  # (a TableError: the worker must not fail for a rebalance it chose)
+            print(f"megaphone.AutoBalancer: the migration of bins {moved[:8]}{' ...' if len(moved) > 8 else ''} "
+                  f"was refused ({e}); not rebalancing now", file=sys.stderr)
+            return
         # The moves only: the whole target table is nbins entries (65,536 at k=16) per decision.
         self._decided({"at": _time.time(), "migration": mid, "imbalance": self.policy.last_imbalance,
                        "bins": moved, "moves": {b: int(target[b]) for b in moved}, "strategy": strategy})
@@ -384,6 +403,8 @@ class Steering:
         strategy = req.get("strategy", "batched")
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r} (expected one of {', '.join(STRATEGIES)})")
+        if req.get("balanced") is not None and not isinstance(req["balanced"], bool):  # ("no" is no yes)
+            raise ValueError(f"'balanced' must be true or false, not {req['balanced']!r:.60}")
         given = [key for key in ("table", "balanced", "moves") if req.get(key) not in (None, False)]
         if len(given) != 1:
             raise ValueError("a rebalance request needs exactly one of 'table', 'balanced' or 'moves'")
@@ -399,6 +420,8 @@ class Steering:
                                                       all(isinstance(x, int) and not isinstance(x, bool) for x in p)
                                                       for p in pairs):
                 raise ValueError("'moves' must be a list of [bin, worker] pairs of integers")
+            if not pairs:  # (an empty migration, started for nothing)
+                raise ValueError("'moves' is empty: give at least one [bin, worker] pair")
             moves: dict[int, int] = {}
             for b, w in pairs:
                 b, w = validate_move(b, w, c.nbins, c.peers)

@@ -181,7 +181,15 @@ class Shared:
         # Load (timely.metrics, megaphone.autobalance): records S applied per bin, counted by
         # routing.bins_of in the pass that computes the bins.
         self.bin_records = np.zeros(self.nbins, dtype=np.int64)
+        # Named `name`, numbered by the worker if an earlier operator of this worker had the name
+        # ("StateMachine #2": every worker builds them in the same order, so all agree).
         self.metrics_name = name
+        records, counters = self.bin_records, self.counters  # (not self: the source is held weakly)
+        # Once this is collected (its dataflow completed), the worker reports these final counts in
+        # its place: the per-bin and migration counters never go backwards (bins held: none).
+        self.metrics_final: Callable[[], dict[str, Any]] = lambda: {
+            "kind": "bins", "records": records.tolist(), "state": [0] * len(records), "owned": [],
+            "counters": dict(counters)}
         Worker.add_metrics_source(self)
 
     def metrics(self) -> dict[str, Any]:

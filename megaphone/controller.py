@@ -311,6 +311,9 @@ class Controller:
                 self._notify(ev, "abandoned")
             self._ahead = None
             self._queue.clear()
+            # Their moves will never happen: the planned table is the issued one (invariant: the
+            # planned table is the issued table plus the moves of the steps not yet issued).
+            self._planned_table = self._issued_table
             return False
         did = False
         queue = self._queue

@@ -234,6 +234,8 @@ class ControlEndpoint:
         strategy = req.get("strategy", "batched")
         if strategy not in STRATEGIES:
             raise RequestError(f"unknown strategy {strategy!r} (expected one of {', '.join(STRATEGIES)})")
+        if req.get("balanced") is not None and not isinstance(req["balanced"], bool):  # ("no" read as true)
+            raise RequestError(f"'balanced' must be true or false, not {req['balanced']!r:.60}")
         given = [key for key in ("table", "balanced", "moves") if req.get(key) not in (None, False)]
         if len(given) != 1:
             raise RequestError("a rebalance request needs exactly one of 'table', 'balanced' or 'moves'")
@@ -249,6 +251,8 @@ class ControlEndpoint:
             pairs = list(raw.items()) if isinstance(raw, dict) else raw
             if not isinstance(pairs, (list, tuple)):
                 raise RequestError("'moves' must be a list of [bin, worker] pairs or a {bin: worker} map")
+            if not pairs:  # (it started an empty migration)
+                raise RequestError("'moves' is empty: give at least one [bin, worker] pair")
             moves: dict[int, int] = {}
             for p in pairs:
                 if not isinstance(p, (list, tuple)) or len(p) != 2:

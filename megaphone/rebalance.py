@@ -11,7 +11,9 @@ After a rebalance request it polls the job and prints one line per completed ste
 duration) until the migration completes; with tqdm installed it also shows a progress bar.
 
 Exit status: 0 on success, 1 if the job rejected the request, 2 for bad arguments, 3 if the
-endpoint could not be reached or did not answer within ``--timeout`` seconds.
+endpoint could not be reached or did not answer within ``--timeout`` seconds, 4 if the migration
+followed was abandoned: the job closed its control input before issuing some of its steps (they
+never run; the steps issued before completed).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from .plan import STRATEGIES
 
 EXIT_REJECTED = 1  # the job answered with an error (RequestError)
 EXIT_UNREACHABLE = 3  # no answer in time, or no connection (EndpointError)
+EXIT_ABANDONED = 4  # the control input closed before every step of the migration was issued
 
 
 def _table(text: str) -> list[int]:
@@ -71,7 +74,11 @@ def _conflicting_move(moves: Sequence[tuple[int, int]]) -> str | None:
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m megaphone.rebalance``."""
     p = argparse.ArgumentParser(prog="python -m megaphone.rebalance",
-                                description="Rebalance a running Megaphone job through its control endpoint.")
+                                description="Rebalance a running Megaphone job through its control endpoint.",
+                                epilog="Exit status: 0 on success, 1 if the job rejected the request, 2 for bad "
+                                       "arguments, 3 if the endpoint could not be reached or did not answer in time, "
+                                       "4 if the job closed its control input before issuing every step of the "
+                                       "migration (the steps not issued never run).")
     p.add_argument("--endpoint", required=True, help="the job's control endpoint, e.g. tcp://127.0.0.1:5555")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--table", type=_table, help="target routing table: one worker per bin, comma-separated")
@@ -111,8 +118,10 @@ def _print_status(endpoint: str, timeout: float, out: Any, secret: JobSecret | N
 
 
 def follow(endpoint: str, migration: int, total: int, timeout: float, interval: float, out: Any,
-           secret: JobSecret | None = None) -> None:
-    """Poll the status of ``migration`` and print each step as it completes, until all are done."""
+           secret: JobSecret | None = None) -> int:
+    """Poll the status of ``migration`` and print each step as it completes, until every step has
+    completed or was abandoned (the control input closed before it was issued); return the number
+    of steps abandoned (0: the migration completed)."""
     bar = None
     try:
         from tqdm import tqdm  # optional
@@ -122,6 +131,7 @@ def follow(endpoint: str, migration: int, total: int, timeout: float, interval: 
     except ImportError:
         pass
     seen = 0
+    abandoned = 0
     first: float | None = None
     last: float | None = None
     try:
@@ -138,11 +148,14 @@ def follow(endpoint: str, migration: int, total: int, timeout: float, interval: 
                 else:
                     print(line, file=out, flush=True)
             seen += len(s["completed"])
-            if s.get("trimmed"):  # finished, and dropped from the controller's bounded log meanwhile
+            if s.get("trimmed"):  # completed, and dropped from the controller's bounded log meanwhile
+                # (never one with abandoned steps: they are newer than the step in flight at the
+                # close, and the log keeps the migration of the step that completed last and later)
                 print(f"migration {migration}: its remaining steps are no longer in the controller's log "
                       "(it keeps the newest migrations); it has completed", file=out)
                 break
             if s["done"] and seen >= s["completed_count"]:
+                abandoned = int(s.get("abandoned_count", 0))
                 break
             if seen >= s["completed_count"]:
                 time.sleep(interval)
@@ -150,7 +163,12 @@ def follow(endpoint: str, migration: int, total: int, timeout: float, interval: 
         if bar is not None:
             bar.close()
     took = f" in {last - first:.3f} s" if first is not None and last is not None else ""
-    print(f"migration {migration} complete: {total} steps{took}", file=out)
+    if abandoned:
+        print(f"migration {migration} abandoned: {abandoned} of {total} steps were never issued (the job closed "
+              f"its control input first); {seen} completed{took}", file=out)
+    else:
+        print(f"migration {migration} complete: {total} steps{took}", file=out)
+    return abandoned
 
 
 def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
@@ -188,10 +206,15 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
             print(f"migration {mid}: nothing to move (the table is already the target)", file=out, flush=True)
         else:
             print(f"migration {mid}: {reply['moves']} bins in {steps} steps ({reply['strategy']})", file=out, flush=True)
+        abandoned = 0
         if steps and not args.no_wait:
-            follow(args.endpoint, mid, steps, args.timeout, args.interval, out, secret)
+            abandoned = follow(args.endpoint, mid, steps, args.timeout, args.interval, out, secret)
         if args.status:
             _print_status(args.endpoint, args.timeout, out, secret)
+        if abandoned:
+            print(f"error: migration {mid}: {abandoned} of {steps} steps abandoned: the job closed its control "
+                  "input before issuing them", file=sys.stderr)
+            return EXIT_ABANDONED
         return 0
     except RequestError as e:
         print(f"error: {e}", file=sys.stderr)

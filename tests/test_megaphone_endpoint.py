@@ -119,6 +119,9 @@ def test_endpoint_table_status_rebalance(fake_endpoint):
     ({"op": "rebalance"}, "exactly one of"),
     ({"op": "rebalance", "balanced": True, "moves": [[0, 1]]}, "exactly one of"),
     ({"op": "rebalance", "balanced": True, "strategy": "sudden"}, "unknown strategy 'sudden'"),
+    ({"op": "rebalance", "balanced": "no"}, "'balanced' must be true or false, not 'no'"),  # (read as true)
+    ({"op": "rebalance", "moves": []}, "'moves' is empty"),  # (started an empty migration)
+    ({"op": "rebalance", "moves": {}}, "'moves' is empty"),
     ({"op": "status", "migration": 4}, "migration 4 does not exist"),
     ({"op": "status", "since": -1}, "'since' must be >= 0"),
     ({"op": "status", "limit": "all"}, "limit 'all' is not an integer"),

@@ -329,8 +329,8 @@ def _check_observe(opts: argparse.Namespace) -> dict[str, Any] | None:
         raise _UsageError(f"--dashboard must be a port number, not {opts.dashboard}")
     if opts.dashboard is not None and opts.dashboard == opts.metrics_port and opts.dashboard != 0:
         raise _UsageError(f"--metrics-port and --dashboard are both {opts.dashboard}: give them different ports")
-    if not opts.metrics_interval > 0:
-        raise _UsageError(f"--metrics-interval must be a positive number of seconds, not {opts.metrics_interval:g}")
+    if not 0 < opts.metrics_interval < math.inf:
+        raise _UsageError(f"--metrics-interval must be a positive, finite number of seconds, not {opts.metrics_interval:g}")
     if (opts.metrics_port is not None or opts.autobalance is not None or opts.dashboard is not None) and opts.hostfile:
         raise _UsageError("--metrics-port, --dashboard and --autobalance work on one host only (without --hostfile)")
     if opts.autobalance is None:
@@ -345,7 +345,7 @@ def _check_observe(opts: argparse.Namespace) -> dict[str, Any] | None:
         except ValueError:
             raise _UsageError(f"--autobalance: {name}={value!r} is not a number") from None
     # Checked here, before any worker starts (the AutoBalancer on worker 0 would refuse them later).
-    from megaphone.autobalance import DEFAULTS, STRATEGIES, BalancePolicy, check_interval
+    from megaphone.autobalance import DEFAULTS, STRATEGIES, BalancePolicy, check_count, check_interval
 
     unknown = sorted(set(knobs) - set(DEFAULTS))
     if unknown:
@@ -354,8 +354,12 @@ def _check_observe(opts: argparse.Namespace) -> dict[str, Any] | None:
         raise _UsageError(f"--autobalance: strategy={knobs['strategy']!r} is not auto or one of {', '.join(STRATEGIES)}")
     policy = {**DEFAULTS, **knobs}
     try:
+        for knob in ("hold", "window"):  # (whole numbers: int() truncated 2.7, and overflowed on inf)
+            policy[knob] = check_count(knob, policy[knob])
+            if knob in knobs:
+                knobs[knob] = policy[knob]
         BalancePolicy(2, float(policy["threshold"]), None if policy["target"] is None else float(policy["target"]),
-                      int(policy["hold"]), float(policy["cooldown"]), int(policy["window"]), float(policy["min_busy"]))
+                      policy["hold"], float(policy["cooldown"]), policy["window"], float(policy["min_busy"]))
         check_interval(policy["interval"])
     except ValueError as e:
         raise _UsageError(f"--autobalance: {e}") from None

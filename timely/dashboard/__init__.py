@@ -71,7 +71,8 @@ class Dashboard:
         except SystemExit:  # werkzeug's exit, should the port be taken between the two binds
             raise OSError(f"the dashboard cannot listen on {host}:{port}: Address already in use") from None
         self.port: int = self._server.server_port
-        self.url = f"http://{host}:{self.port}/"
+        url_host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # (IPv6)
+        self.url = f"http://{url_host}:{self.port}/"
         self._thread = threading.Thread(target=self._server.serve_forever, name="timely-dashboard", daemon=True)
         self._thread.start()
 
@@ -101,6 +102,10 @@ class Dashboard:
             if self._hosts is not None and name not in self._hosts:
                 return jsonify({"ok": False, "error": f"host {request.host!r} is not this loopback dashboard"}), 403
             return None
+
+        @app.errorhandler(413)
+        def too_large(_: Any) -> Any:  # (Flask's own reply is an HTML page; the page reads JSON)
+            return jsonify({"ok": False, "error": f"the request body is larger than {MAX_REQUEST_BYTES} bytes"}), 413
 
         @app.get("/")
         def index() -> Any:

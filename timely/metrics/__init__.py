@@ -65,14 +65,24 @@ def _start(metrics: WorkerMetrics, worker: Any, config: MetricsConfig) -> None:
                 server = serve(metrics.hub, config.port, config.host)
                 if server is not None:
                     metrics.servers.append(server)
+                    if config.port == 0:  # (a free port: nobody could find it otherwise)
+                        sys.stderr.write(f"timely.metrics: the Prometheus endpoint listens on "
+                                         f"http://{_url_host(config.host)}:{server.port}/metrics\n")
         if config.dashboard is not None:
             serve_dashboard = _optional("timely.dashboard", "..dashboard", "the dashboard", "Flask", "dashboard")
             if serve_dashboard is not None:
                 metrics.dashboard = serve_dashboard(metrics, config.dashboard, config.host)
                 if metrics.dashboard is not None:
                     metrics.servers.append(metrics.dashboard)
+                    if config.dashboard == 0:  # (a free port: nobody could find it otherwise)
+                        sys.stderr.write(f"timely.dashboard: serving on {metrics.dashboard.url}\n")
     if worker.index == 0 or config.hub is not None:
         metrics.reporter = Reporter(metrics.snapshot, config.interval, metrics.hub, config.hub)
+
+
+def _url_host(host: str) -> str:
+    """``host`` as the host part of a URL (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _optional(log: str, module: str, what: str, package: str, extra: str) -> Any:

@@ -10,12 +10,19 @@ msgpack-friendly dict, cumulative (rates are differences of two snapshots, taken
 
 Libraries built on timely add their own figures as *sources* (:func:`add_source`): Megaphone's bins
 report their per-bin record counts and state sizes this way. A source is any object with a
-``metrics() -> dict`` method; it is held weakly and reported under its ``metrics_name``.
+``metrics() -> dict`` method; it is held weakly and reported under its ``metrics_name``, which the
+worker of its ``index`` makes unique (a repeat is numbered, ``"StateMachine #2"``, in the order
+the sources are built: the same on every worker). A source with a ``metrics_final`` (a function
+that holds the source's counters but not the source) is reported after it is collected with what
+that returns, so that its counters never go backwards (as :meth:`WorkerMetrics.retire` keeps the
+counts of completed dataflows).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 import threading
 import time
 import weakref
@@ -31,12 +38,21 @@ ENV = "TIMELY_METRICS"
 
 _sources: list[weakref.ref] = []
 _sources_lock = threading.Lock()
+#: Per worker index, the metrics of this process's (newest) worker with it: it names the sources of
+#: that index and keeps their final counts (``WorkerMetrics._adopt``).
+_owners: dict[int, weakref.ref] = {}
 
 
 def add_source(source: Any) -> None:
     """Report ``source.metrics()`` (a dict of msgpack-able values) with every snapshot of the
-    workers of this process, under ``source.metrics_name`` (held weakly: it stops when collected)."""
-    with _sources_lock:
+    workers of this process, under ``source.metrics_name`` (held weakly: it stops when collected),
+    made unique among the sources of the worker of ``source.index`` (see the module documentation),
+    if that worker runs in this process."""
+    with _sources_lock:  # (named before any report can see it)
+        ref = _owners.get(getattr(source, "index", None))  # type: ignore[arg-type]
+        owner = ref() if ref is not None else None
+        if owner is not None:
+            owner._adopt(source)
         _sources[:] = [r for r in _sources if r() is not None]
         _sources.append(weakref.ref(source))
 
@@ -88,12 +104,13 @@ class LagProbe:
     """An output watched for its frontier and, given ``wall_of`` (a time -> Unix seconds), for its
     lag: how long ago (wall clock) the earliest incomplete time was due."""
 
-    __slots__ = ("name", "probe", "wall_of")
+    __slots__ = ("name", "probe", "wall_of", "failed")
 
     def __init__(self, name: str, probe: Any, wall_of: Callable[[Any], float] | None) -> None:
         self.name = name
         self.probe = probe
         self.wall_of = wall_of
+        self.failed = False  # wall_of raised once (said so on stderr, once)
 
     def read(self, now: float) -> dict[str, Any]:
         """``{"frontier": t or None (complete), "lag_s": seconds or None}``."""
@@ -104,7 +121,18 @@ class LagProbe:
         if not times:
             return {"frontier": None, "lag_s": 0.0 if self.wall_of else None}
         t = times[0]
-        lag = None if self.wall_of is None else max(0.0, now - self.wall_of(t))
+        lag = None
+        if self.wall_of is not None:
+            try:
+                lag = max(0.0, now - float(self.wall_of(t)))
+            except Exception as e:  # the job's function: its lag is unknown, the other figures go on
+                if not self.failed:
+                    self.failed = True
+                    sys.stderr.write(f"timely.metrics: the wall_of of lag probe {self.name!r} raised {e!r} for time "
+                                     f"{t!r:.60}; its lag is not reported while it does (said once)\n")
+            else:
+                if lag != lag or lag == math.inf:  # (nan, or a time due at -inf: not a lag; nan is not JSON)
+                    lag = None
         return {"frontier": t if isinstance(t, (int, float)) else repr(t), "lag_s": lag}
 
 
@@ -115,6 +143,11 @@ class LagProbe:
 KEEP_RETIRED = 64
 FOLDED_LABEL = "(completed earlier)"
 FOLDED_INDEX = -1
+#: Collected sources whose final counts a worker reports one by one (the newest, marked
+#: ``"retired": True``); the final per-bin counts of older "bins" sources are summed into one
+#: source per number of bins, named :data:`FOLDED_SOURCE` (also retired).
+KEEP_RETIRED_SOURCES = 16
+FOLDED_SOURCE = "(completed earlier, {} bins)"
 
 
 class WorkerMetrics:
@@ -141,6 +174,17 @@ class WorkerMetrics:
         self.dashboard: Any = None  # worker 0 with --dashboard: the timely.dashboard.Dashboard
         self.held: list[Any] = []  # sources kept alive as long as the worker (add_source holds them weakly)
         self.config: MetricsConfig | None = None
+        # The sources of this worker (add_source): each one's name, made unique in build order, and
+        # while it lives a weak reference and its metrics_final; once collected, its final figures
+        # (the newest KEEP_RETIRED_SOURCES; older ones folded). Invariant: a snapshot reports each
+        # source's counts exactly once, live or final. Guarded by _sources_lock.
+        self._names: set[str] = set()
+        self._name_next: dict[str, int] = {}
+        self._adopted: list[tuple[weakref.ref, str, Callable[[], dict]]] = []
+        self._finals: dict[str, dict] = {}  # name -> final figures, oldest first
+        self._folded: dict[str, dict] = {}  # FOLDED_SOURCE name -> the older ones' summed
+        with _sources_lock:
+            _owners[self.index] = weakref.ref(self)
 
     # -- counted by the worker ----------------------------------------------------------------------
     def before_take(self) -> int:
@@ -171,6 +215,64 @@ class WorkerMetrics:
         """Report ``probe``'s frontier as ``name`` and, given ``wall_of(time) -> Unix seconds`` (when
         a time was due), the output's lag behind the wall clock."""
         self.lags.append(LagProbe(name, probe, wall_of))
+
+    def _adopt(self, source: Any) -> None:
+        """Make ``source.metrics_name`` unique among this worker's sources (a repeat of a name gets
+        the next free number, ``"name #2"``, as the worker numbers its dataflows' labels: every
+        worker builds the same sources in the same order, so all agree), and with a
+        ``metrics_final``, keep its final figures once it is collected (:func:`add_source`, which
+        holds ``_sources_lock``)."""
+        base = str(source.metrics_name)
+        name, n = base, self._name_next.get(base, 1)
+        if n > 1:
+            name = f"{base} #{n}"
+        while name in self._names:
+            n += 1
+            name = f"{base} #{n}"
+        self._name_next[base] = n + 1
+        self._names.add(name)
+        source.metrics_name = name
+        final = getattr(source, "metrics_final", None)
+        if callable(final):
+            self._adopted.append((weakref.ref(source), name, final))
+
+    def _retain(self) -> dict[str, dict]:
+        """The final figures of this worker's collected sources (taken now from those collected
+        since the last call), the oldest folded (:data:`KEEP_RETIRED_SOURCES`)."""
+        with _sources_lock:
+            if any(ref() is None for ref, _, _ in self._adopted):
+                alive = []
+                for entry in self._adopted:
+                    ref, name, final = entry
+                    if ref() is not None:
+                        alive.append(entry)
+                        continue
+                    try:
+                        figures = dict(final())
+                    except Exception:  # (a source must not stop the reports)
+                        continue
+                    figures["retired"] = True
+                    self._finals[name] = figures
+                self._adopted = alive
+                while len(self._finals) > KEEP_RETIRED_SOURCES:
+                    self._fold(self._finals.pop(next(iter(self._finals))))
+            return {**self._folded, **self._finals}
+
+    def _fold(self, figures: dict) -> None:
+        """Add a collected "bins" source's final counts to the folded one of its number of bins
+        (other kinds are let go). A new dict each time: a snapshot may hold the previous one."""
+        records = figures.get("records")
+        if figures.get("kind") != "bins" or not isinstance(records, list):
+            return
+        name = FOLDED_SOURCE.format(len(records))
+        old = self._folded.get(name)
+        counters = dict(figures.get("counters") or {})
+        if old is not None:
+            records = [a + b for a, b in zip(old["records"], records)]
+            for key, value in old["counters"].items():
+                counters[key] = counters.get(key, 0) + value
+        self._folded[name] = {"kind": "bins", "records": records, "state": [0] * len(records), "owned": [],
+                              "counters": counters, "retired": True}
 
     # -- reading --------------------------------------------------------------------------------------
     @staticmethod
@@ -224,13 +326,18 @@ class WorkerMetrics:
             "received_bytes": self.received_bytes, "backlog_bytes": self.backlog_bytes(),
             "lags": {p.name: p.read(now) for p in self.lags}, "sources": {},
         }
-        for source in sources():
+        live = sources()  # (held while the final figures are read: a source is live or retained, not neither)
+        finals = self._retain()
+        for source in live:
             if getattr(source, "index", self.index) != self.index:
                 continue  # another worker's, in a process that ran several (tests)
             try:
                 snap["sources"][source.metrics_name] = source.metrics()
             except Exception as e:  # a source must not stop the reports
                 snap["sources"][getattr(source, "metrics_name", "?")] = {"error": repr(e)}
+        del live
+        for name, figures in finals.items():  # (after the live ones: the dashboard shows the first)
+            snap["sources"].setdefault(name, figures)
         ck = getattr(self.worker, "checkpoint", None)
         if ck is not None:
             snap["checkpoint"] = ck.stats()
@@ -239,8 +346,11 @@ class WorkerMetrics:
     def close(self) -> None:
         """Stop the reporter, the hub and the servers (idempotent)."""
         if self.reporter is not None:
-            self.reporter.stop()
+            self.reporter.stop()  # (its last report has the final counts of the sources collected)
             self.reporter = None
+        with _sources_lock:
+            if _owners.get(self.index) is not None and _owners[self.index]() is self:
+                del _owners[self.index]  # (a later worker of this index in this process names its own)
         for server in self.servers:
             try:
                 server.close()

@@ -202,7 +202,9 @@ class Hub:
         over workers, and each bin's owner), ``lags`` and ``counters`` (sources of kind "counters":
         ``{"prefix", "values"}``, such as Megaphone's controller); ``heard`` lists the workers heard from, ``rated``
         those heard from twice (whose rates are known). A ``bins`` entry's ``reports`` holds, per
-        worker, its newest report's time (``time.monotonic``) and its per-bin records."""
+        worker, its newest report's time (``time.monotonic``) and its per-bin records; its
+        ``retired`` is true when every worker reported the source's final counts (collected: its
+        dataflow completed)."""
         with self._lock:
             latest, previous = dict(self._latest), dict(self._previous)
         ops: list[dict[str, Any]] = []
@@ -242,9 +244,11 @@ class Hub:
                     continue
                 nb = len(src["records"])
                 agg = bins.setdefault(name, {"records_per_s": [0.0] * nb, "records": [0] * nb, "state": [0] * nb,
-                                             "owner": [-1] * nb, "workers": {}, "reports": {}})
+                                             "owner": [-1] * nb, "workers": {}, "reports": {}, "retired": True})
                 if len(agg["records"]) != nb:
                     continue  # (another worker reported another number of bins: not the same source)
+                # retired: every worker reports its final counts (the operator is gone everywhere)
+                agg["retired"] = agg["retired"] and src.get("retired") is True
                 olds = (old or {}).get("sources", {}).get(name)
                 for b in range(nb):
                     agg["records"][b] += src["records"][b]

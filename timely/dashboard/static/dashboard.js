@@ -50,9 +50,9 @@ function drawGraph(graph, rates) {
 }
 
 function drawBins(bins, steering) {
-  const names = Object.keys(bins || {});
+  const names = Object.keys(bins || {}).filter((n) => !bins[n].retired);  // (retired: a completed operator's final counts)
   const box = $("bins");
-  if (!names.length) { box.textContent = "no migratable operator"; return; }
+  if (!names.length) { box.textContent = "no migratable operator"; $("bins-name").textContent = ""; return; }
   const agg = bins[names[0]];
   $("bins-name").textContent = names[0];
   const owners = steering && steering.table ? steering.table : agg.owner;
