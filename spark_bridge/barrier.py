@@ -55,7 +55,8 @@ def run(spark: Any, job: str, workers: int, args: Sequence[str] = (), **options:
 
 def submit(spark: Any, job: str, workers: int, args: Sequence[str] = (), *, checkpoint: str | None = None,
            checkpoint_every: int = 10, bridge: bool = True, coordinator_port: int = 0, publish: str | None = None,
-           secret: str | None = None, timeout: float | None = None, slot_wait: float = 30.0,
+           max_message_bytes: int | None = None, secret: str | None = None, timeout: float | None = None,
+           slot_wait: float = 30.0,
            startup_timeout: float = 30.0, heartbeat_timeout: float = 30.0,
            log: Callable[[str], object] | None = None) -> BarrierJob:
     """Start the job as one barrier stage of ``workers`` tasks and return its :class:`BarrierJob` at once.
@@ -65,8 +66,11 @@ def submit(spark: Any, job: str, workers: int, args: Sequence[str] = (), *, chec
     latest checkpoint (without them it starts again from its inputs). ``bridge``: worker 0 serves
     the Spark bridge's coordinator on ``coordinator_port`` of its host (0: a free port, chosen at each
     run), ``$TIMELY_SPARK_COORDINATOR`` names it in every worker and each worker's data endpoints
-    bind on its own host; the endpoint is written to ``publish`` (a path or fsspec URL) when given,
-    and :meth:`BarrierJob.coordinator` returns it. ``secret``: the job secret's text (default: the
+    bind on its own host; the endpoint is written to ``publish`` (a path or fsspec URL) when given
+    (what a previous submission wrote there is removed first, so that :func:`published` waits for
+    this job's; ``publish`` needs the bridge), and :meth:`BarrierJob.coordinator` returns it.
+    ``max_message_bytes``: the bridge endpoints' frame limit (see :func:`spark_bridge.serve`;
+    the job's sources and sinks may repeat it, not change it). ``secret``: the job secret's text (default: the
     executors' ``$TIMELY_SECRET`` / ``$TIMELY_SECRET_FILE``). ``timeout`` bounds each run (seconds).
     ``slot_wait``: how long to wait for executors to register before deciding the cluster is too
     small. ``startup_timeout`` and ``heartbeat_timeout`` are the workers' (see ``timely.launch``).
@@ -87,20 +91,31 @@ def submit(spark: Any, job: str, workers: int, args: Sequence[str] = (), *, chec
         from timely.checkpoint import CheckpointConfig
 
         CheckpointConfig(checkpoint, checkpoint_every)  # (ValueError naming a bad checkpoint_every)
+    if publish is not None and not bridge:
+        raise ValueError(f"publish={publish!r} needs bridge=True: a job submitted with bridge=False serves no "
+                         f"coordinator endpoint to publish")
     if publish is not None:
         _check_publish(publish)
+    if max_message_bytes is not None and (isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int)
+                                          or max_message_bytes < 1):
+        raise ValueError(f"max_message_bytes must be a positive number of bytes, not {max_message_bytes!r}")
+    if max_message_bytes is not None and not bridge:
+        raise ValueError("max_message_bytes configures the bridge: it needs bridge=True")
     check_job(job)
     with open(job, "rb") as f:
         source = f.read()
     sc = spark.sparkContext
     require_slots(sc, workers, slot_wait)
     key = secrets.token_hex(16)
+    if publish is not None:
+        _unpublish(publish)  # (only now: a submission that failed above leaves the previous job's endpoint)
     handle = BarrierJob(workers, checkpoint is not None, log or _stderr)
     handle._link = DriverLink(*_driver_addresses(sc), key, handle._on_event)
     spec = BarrierSpec(
         workers=workers, job_path=os.path.abspath(job), job_source=source, args=tuple(args), nonce=secrets.token_hex(16),
         link=handle._link.address, link_key=key, checkpoint=_absolute(checkpoint), checkpoint_every=checkpoint_every,
-        bridge=bridge, coordinator_port=coordinator_port, publish=_absolute(publish), secret=secret, timeout=timeout,
+        bridge=bridge, coordinator_port=coordinator_port, publish=_absolute(publish), max_message_bytes=max_message_bytes,
+        secret=secret, timeout=timeout,
         options={"startup_timeout": startup_timeout, "heartbeat_timeout": heartbeat_timeout,
                  "heartbeat_ivl": min(1.0, heartbeat_timeout / 4)})
     handle._start(sc, spec, os.path.basename(job))
@@ -254,6 +269,21 @@ def _check_publish(url: str) -> None:
             parent = os.path.dirname(parent)
         if not os.path.isdir(parent):
             raise ValueError(f"publish: cannot write to {url!r}: {parent} is not a directory")
+
+
+def _unpublish(url: str) -> None:
+    """Remove the endpoint a previous submission published at ``url``, if any: :func:`published`
+    must wait for this submission's, not return a stale one at once. ValueError if it cannot be."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    try:
+        if fs.exists(path):
+            fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise ValueError(f"publish: cannot remove the endpoint a previous job published at {url!r}: {e}") from None
 
 
 def _outcome(answer: dict) -> Outcome:

@@ -67,6 +67,7 @@ class BarrierSpec:
     bridge: bool = True
     coordinator_port: int = 0  #: 0: a free port on worker 0's host, chosen at each run
     publish: str | None = None  #: where worker 0's task writes the coordinator endpoint
+    max_message_bytes: int | None = None  #: the bridge endpoints' frame limit (None: the default)
     secret: str | None = None
     timeout: float | None = None
     stopped_grace: float = STOPPED_GRACE
@@ -178,7 +179,8 @@ def _worker(spec: BarrierSpec, path: str, endpoints: list[str], token: str, coor
         if coordinator:
             from .server import serve
 
-            serve(worker, coordinator, host=ip)  # data endpoints on this host, not on worker 0's
+            # Data endpoints on this host, not on worker 0's (an IPv6 address is bracketed by serve).
+            serve(worker, coordinator, host=ip, max_message_bytes=spec.max_message_bytes)
         return job_main(worker)
 
     run_worker(main, index, spec.workers, endpoints, token, list(spec.args), report, secret=resolve(spec.secret),

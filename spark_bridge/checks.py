@@ -10,6 +10,7 @@ when it can tell whom to answer, and goes on. Size is limited before decoding, b
 """
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +44,10 @@ def _flag(v: Any) -> bool:
     return isinstance(v, bool)
 
 
+def _seconds(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+
+
 def _optional(check: Check) -> Check:
     return lambda v: v is None or check(v)
 
@@ -66,6 +71,7 @@ _COORDINATOR: dict[str, dict[str, Check]] = {
                      "progress": _optional(_flag), "generations": _optional(_list(_text))},
     Request.ABORT: {"stream": _text, "query": _text, "batch": _nat, "tokens": _optional(_tokens),
                     "final": _optional(_flag)},
+    Request.EXPIRE: {"stream": _text, "query": _text, "batch": _nat, "tokens": _list(_text)},
     Request.CLOSE: {"stream": _text},
     Request.SHUTDOWN: {},
     Request.STATUS: {},
@@ -75,7 +81,7 @@ _SINK: dict[str, Check] = {"sink": _text}
 # op -> (frames after the op, the fields of the msgpack map its third frame is; DATA has none)
 _DATA: dict[Op, tuple[int, dict[str, Check]]] = {
     Op.BEGIN: (3, {"stream": _text, "query": _text, "batch": _nat, "partition": _nat, "attempt": _nat,
-                   "generation": _optional(_text)}),
+                   "generation": _optional(_text), "timeout": _optional(_seconds)}),
     Op.DATA: (3, {}),
     Op.END: (2, {"rows": _nat, "batches": _nat}),
     Op.STATUS: (2, _SINK),

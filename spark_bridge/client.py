@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -112,6 +112,16 @@ def checked_endpoint(endpoint: str) -> str:
     raise BadEndpoint(f"the 'endpoint' option {endpoint!r} is not tcp://HOST:PORT or ipc://PATH ({example})")
 
 
+def _dealer(endpoint: str) -> zmq.Socket:
+    """A DEALER socket of this process's context for ``endpoint``, closed without lingering (an IPv6
+    one, ``tcp://[::1]:7447``, needs ``zmq.IPV6``: see :func:`spark_bridge.protocol.is_ipv6`)."""
+    sock = context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if P.is_ipv6(endpoint):
+        sock.setsockopt(zmq.IPV6, 1)
+    return sock
+
+
 class Coordinator:
     """Requests to worker 0's coordinator endpoint; each gets a fresh socket and a deadline."""
 
@@ -126,8 +136,7 @@ class Coordinator:
         keeps being sent in the background for up to the timeout."""
         fields["op"] = op.value
         wait = self.timeout if wait is None else min(wait, self.timeout)
-        sock = context().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = _dealer(self.endpoint)
         if self.secret is not None:
             self.secret.connect(sock)
         linger = 0
@@ -164,8 +173,7 @@ class Coordinator:
         fields.update(op=op.value, progress=True)
         msg = P.pack(fields)
         step = retry_wait(self.timeout)
-        sock = context().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = _dealer(self.endpoint)
         # A message is queued only on a completed connection, so a send that succeeds may reach the
         # coordinator: it answers from its worker's step, and one busy in a long step reads the
         # request later and decides it, however long after we gave up (closing our socket cannot
@@ -234,10 +242,9 @@ class WorkerLink:
 
     def __init__(self, endpoint: str, secret: JobSecret | None = None) -> None:
         self.endpoint = endpoint
-        self.sock = context().socket(zmq.DEALER)
+        self.sock = _dealer(endpoint)
         if secret is not None:
             secret.connect(self.sock)
-        self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 256)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a worker that is not connected
@@ -257,7 +264,7 @@ class WorkerLink:
         context()
         key = (threading.get_ident(), endpoint, secret)
         link = _links.get(key)
-        if link is not None and not link.sock.get(zmq.EVENTS) & zmq.POLLOUT:
+        if link is not None and not cast(int, link.sock.get(zmq.EVENTS)) & zmq.POLLOUT:
             # No connection to send on (IMMEDIATE: nothing queues without one; between requests a
             # link's queue is empty): its worker went away and, the port refused, it stopped
             # reconnecting. A later job's worker may listen on that port now: a new link reaches it.

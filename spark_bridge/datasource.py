@@ -133,8 +133,9 @@ def _write(plan: WritePlan, iterator: Iterator[Any], batch: int) -> TimelyCommit
         link = links.get(w)
         if link is None:
             link = links[w] = WorkerLink.get(plan.endpoints[w][0], plan.secret)
+            # (timeout: the workers expire staged rows no commit or abort decided after a multiple of it)
             header = {"stream": plan.stream, "query": plan.query, "batch": batch, "partition": partition,
-                      "attempt": attempt, "generation": plan.endpoints[w][1]}
+                      "attempt": attempt, "generation": plan.endpoints[w][1], "timeout": timeout}
             link.send([Op.BEGIN, tok, P.pack(header), schema_ipc], timeout, w)
         for piece, body in _fitting(rb, max(plan.max_message_bytes - _FRAME_MARGIN, plan.max_message_bytes // 2)):
             link.send([Op.DATA, tok, P.ROWS.pack(piece.num_rows), body], timeout, w)

@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator-port", type=int, default=0, metavar="P",
                    help="the bridge coordinator's port on worker 0's host (default: a free one)")
     p.add_argument("--publish", metavar="URL", help="write the bridge coordinator's endpoint there at each run")
+    p.add_argument("--max-message-bytes", type=int, default=None, metavar="N",
+                   help="the largest frame the bridge endpoints accept (default 256 MiB)")
     p.add_argument("--secret-file", metavar="FILE", help="the job secret (default: the executors' $TIMELY_SECRET)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="stop the job after S seconds")
     p.add_argument("--slot-wait", type=float, default=30.0, metavar="S",
@@ -129,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         job = submit(spark, opts.job, opts.workers, opts.args, checkpoint=opts.checkpoint,
                      checkpoint_every=opts.checkpoint_every, bridge=not opts.no_bridge,
-                     coordinator_port=opts.coordinator_port, publish=opts.publish, secret=secret, timeout=opts.timeout,
+                     coordinator_port=opts.coordinator_port, publish=opts.publish,
+                     max_message_bytes=opts.max_message_bytes, secret=secret, timeout=opts.timeout,
                      slot_wait=opts.slot_wait, startup_timeout=opts.startup_timeout,
                      heartbeat_timeout=opts.heartbeat_timeout,
                      log=lambda line: sys.stderr.write(f"spark_bridge.launch: {line}\n"))

@@ -20,11 +20,22 @@ number, so the ledger keeps only its newest committed batch (the one Spark retri
 answered with its epoch as before; an older one is answered as a duplicate without its epoch), and,
 with checkpoints, the batches a checkpoint not yet offered needs (:meth:`CommitLedger.retain_from`).
 A batch-write query's batch is kept for good.
+
+Staged rows that no commit or abort ever decides (the Spark driver died between its tasks' writes
+and its commit) *expire*: once the attempts of a ``(query, batch)`` saw no write activity on a
+worker for :data:`EXPIRY_FACTOR` times their write's ``timeout`` option (10 minutes with the
+default 30 s), that worker proposes them to the coordinator, whose ledger decides an expiry record
+unless the batch is already decided. The record reaches every worker through the dataflow, which
+drops those attempts when it arrives; the ledger refuses any later commit that lists one of them
+(nothing of it is applied: Spark fails the write, which can be written again). So no commit is
+ever decided for rows a worker dropped, and exactly-once holds. A write whose tasks send a worker
+nothing for that long while the write still runs fails the same way: raise its ``timeout``.
 """
 from __future__ import annotations
 
 import itertools
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, NamedTuple
@@ -38,6 +49,16 @@ Entry = tuple[str, int, bool, int]  # (query, batch, final, epoch) of a committe
 #: The kind of a decision that publishes again an epoch committed before a restart (its rows come
 #: from the commit log: :class:`spark_bridge.durable.SourceDurability`).
 REPLAY = "replay"
+#: Staged attempts of a ``(query, batch)`` expire after this many times their write's ``timeout``
+#: without write activity on a worker (see the module's docstring).
+EXPIRY_FACTOR = 20
+#: The ``timeout`` of a write whose header does not say (``spark_bridge.client.DEFAULT_TIMEOUT``).
+DEFAULT_WRITE_TIMEOUT = 30.0
+
+
+def expiry_seconds(timeout: float | None) -> float:
+    """Seconds without activity after which the staged attempts of a write with that ``timeout`` expire."""
+    return EXPIRY_FACTOR * (DEFAULT_WRITE_TIMEOUT if timeout is None else float(timeout))
 
 
 class Staged:
@@ -86,7 +107,14 @@ class Staging:
         self.dropped_rows = 0  # rows of losing, failed or aborted attempts
         self.duplicate_rows = 0  # rows of replays of batches already committed
         self.refused_rows = 0  # rows a commit listed for attempts this worker did not stage whole
+        self.expired_rows = 0  # rows of attempts dropped by an expiry record (also in dropped_rows)
         self.report: Callable[[str], None] = _stderr  # where a refused part of a commit is told
+        self.clock: Callable[[], float] = time.monotonic
+        # Of each live batch: its last write activity here, its expiry time (the longest of its
+        # attempts'), and when its attempts were last proposed for expiry.
+        self._touched: dict[Key, float] = {}
+        self._expiry: dict[Key, float] = {}
+        self._proposed: dict[Key, float] = {}
 
     def __contains__(self, token: str) -> bool:
         return token in self.tokens
@@ -103,9 +131,10 @@ class Staging:
                 self._watermark[query] = max(batch, self._watermark.get(query, -1))
 
     def begin(self, token: str, query: str, batch: int, schema: bytes, writer: Any,
-              stopping: str | None = None) -> Staged:
+              stopping: str | None = None, expiry: float | None = None) -> Staged:
         """A task attempt starts writing ``(query, batch)``; ``stopping``: the message refusing it
-        because the bridge is shutting down."""
+        because the bridge is shutting down; ``expiry``: seconds without activity after which the
+        batch's attempts here expire (default: :func:`expiry_seconds` of the default timeout)."""
         st = Staged(query, batch, schema, writer)
         self.tokens[token] = st
         if stopping is not None:
@@ -115,12 +144,38 @@ class Staging:
         elif self._decided(query, batch):
             st.discard = True
         else:
-            self._by_batch.setdefault((query, batch), set()).add(token)
+            key = (query, batch)
+            self._by_batch.setdefault(key, set()).add(token)
+            self._expiry[key] = max(self._expiry.get(key, 0.0), expiry_seconds(None) if expiry is None else expiry)
+            self._touched[key] = self.clock()
         return st
+
+    def _touch(self, st: Staged) -> None:
+        key = (st.query, st.batch)
+        if key in self._touched:
+            self._touched[key] = self.clock()
+
+    def expired(self, now: float) -> list[tuple[str, int, list[str]]]:
+        """``(query, batch, tokens)`` of every undecided batch whose attempts saw no write activity
+        here for their expiry time: to propose to the coordinator (again after another expiry time
+        if they are still staged then)."""
+        out = []
+        for key, tokens in self._by_batch.items():
+            last = max(self._touched.get(key, now), self._proposed.get(key, -1.0))
+            if now - last >= self._expiry.get(key, 0.0):
+                self._proposed[key] = now
+                out.append((key[0], key[1], sorted(tokens)))
+        return out
+
+    def idle(self, query: str, batch: int, now: float) -> bool:
+        """Whether ``(query, batch)`` saw no write activity here for its expiry time (or has nothing staged here)."""
+        key = (query, batch)
+        return key not in self._touched or now - self._touched[key] >= self._expiry[key]
 
     def receive(self, token: str, rows: int, frame: Any, writer: Any) -> dict | None:
         """One record batch of a staged write arrived; returns the rejection to send, if any."""
         st = self.tokens[token]
+        self._touch(st)
         if st.discard:
             self.duplicate_rows += rows
         elif st.error is None:
@@ -135,6 +190,7 @@ class Staging:
     def end(self, token: str, rows: int, batches: int, stopping: str | None = None) -> dict:
         """The task says it sent ``rows`` in ``batches`` for ``token``: the reply to its end-of-data."""
         st = self.tokens[token]
+        self._touch(st)
         if stopping is not None and not st.discard:
             self.drop([token])
             return P.error(stopping, "stopping")
@@ -158,11 +214,14 @@ class Staging:
             if st is None:
                 continue
             self.dropped_rows += st.rows
-            live = self._by_batch.get((st.query, st.batch))
+            key = (st.query, st.batch)
+            live = self._by_batch.get(key)
             if live is not None:
                 live.discard(t)
                 if not live:
-                    del self._by_batch[(st.query, st.batch)]
+                    del self._by_batch[key]
+                    for times in (self._touched, self._expiry, self._proposed):
+                        times.pop(key, None)
 
     def apply(self, record: tuple) -> tuple[list, bytes | None]:
         """Apply a decision record (see :meth:`Decision.record`): the frames it publishes here, in
@@ -170,6 +229,10 @@ class Staging:
         kind, query, batch, tokens, final = record
         if kind == Request.COMMIT:
             return self._take(query, batch, tokens, final)
+        if kind == Request.EXPIRE:  # tokens: the attempts' tokens, no rows
+            self.expired_rows += sum(self.tokens[t].rows for t in tokens if t in self.tokens)
+            self.drop(tokens)
+            return [], None
         if final:
             self._final.add(query)
             self.drop(list(self._by_batch.get((query, batch), ())))
@@ -238,10 +301,10 @@ def _stderr(message: str) -> None:
 class Decision(NamedTuple):
     """What the coordinator decided, in the order the control operator must publish it."""
 
-    kind: Request | str  # COMMIT, ABORT, CLOSE or REPLAY
+    kind: Request | str  # COMMIT, ABORT, EXPIRE, CLOSE or REPLAY
     query: str | None = None
     batch: int | None = None
-    tokens: list | None = None  # [[token, [[worker, rows], ...]], ...]
+    tokens: list | None = None  # [[token, [[worker, rows], ...]], ...] (EXPIRE: [token, ...])
     final: bool = False  # a batch write (its query is never reused), not a streaming micro-batch
     rows: int = 0
     epoch: int | None = None  # REPLAY: the epoch it was committed at (and is published at again)
@@ -273,6 +336,9 @@ class CommitLedger:
         self._queued: dict[str, int] = {}  # query -> highest batch with a commit decision (streaming queries)
         self._waiting: dict[Key, list] = {}  # requesters of a commit decided or queued, not yet answered
         self._acks: list[tuple[int, Key, int]] = []  # (epoch, key, rows) published, not yet passed
+        # Attempts an expiry decision discarded: a commit listing one is refused. (Random tokens,
+        # one per task attempt of a write whose Spark driver never committed: a few bytes each.)
+        self._expired: set[str] = set()
         self.close_requested = False
         self._close_taken = False  # the close decision left the queue: the capability is gone
         self.done = False
@@ -313,6 +379,14 @@ class CommitLedger:
             # drops the staged attempts of every earlier batch of the query on every worker).
             return P.error(f"stream '{self.name}': commit of batch {batch} of streaming query {query} after its "
                            f"batch {self._queued[query]}: micro-batches commit in batch order; refused")
+        gone = [t for t, _ in tokens if t in self._expired]
+        if gone:
+            # Invariant: no commit is decided after an expiry decision of one of its attempts (every
+            # worker drops the attempt when that decision's record arrives).
+            return P.error(f"stream '{self.name}': commit of query {query} batch {batch} refused: the rows staged "
+                           f"for its task attempt {gone[0]}{f' (and {len(gone) - 1} more)' if len(gone) > 1 else ''} "
+                           f"expired, no write activity for {EXPIRY_FACTOR} times the write's 'timeout' option "
+                           f"without a commit, and were discarded; nothing of the write was applied: write it again")
         bad = unstaged() if unstaged is not None else None
         if bad is not None:
             return P.error(f"{bad}: commit refused")
@@ -339,6 +413,19 @@ class CommitLedger:
             return P.ok(ignored=True)  # (a streaming query's batches below its newest are not kept)
         if self.open:
             self._decisions.append(Decision(Request.ABORT, query, batch, tokens, final))
+        return P.ok()
+
+    def request_expire(self, query: str, batch: int, tokens: list[str]) -> dict:
+        """A worker's proposal to discard the staged attempts ``tokens`` of ``(query, batch)``, which
+        saw no write activity there for their expiry time: queues an expiry decision unless the
+        batch is (being) committed, whose record drops them anyway. Any later commit listing one
+        of them is refused."""
+        if not self.open or (query, batch) in self._waiting or self.is_committed(query, batch):
+            return P.ok(ignored=True)
+        new = [t for t in tokens if t not in self._expired]
+        if new:
+            self._expired.update(new)
+            self._decisions.append(Decision(Request.EXPIRE, query, batch, new))
         return P.ok()
 
     def request_close(self) -> dict:

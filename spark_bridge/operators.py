@@ -16,7 +16,10 @@ is complete, epoch by epoch (the order they were published in, whatever order th
 (emitted at ``e``, with a capability retained while a large batch is emitted in slices) and drops
 every other attempt. So a batch enters the dataflow atomically, timestamped and ordered like any
 data, and the stream's frontier passes ``e`` exactly when every worker has emitted it; the ledger
-releases Spark's commit reply then.
+releases Spark's commit reply then. An expiry record (attempts no commit or abort decided in time:
+see :mod:`spark_bridge.ledger`) takes no epoch and is applied when it arrives. Every batch a source
+emits has the wire schema of :mod:`spark_bridge.schema` (Spark's session time zone and large types
+conformed).
 
 A sink named N is one operator per worker: it feeds the records of each time to a
 :class:`~spark_bridge.sinkbuffer.SinkBuffer`, which converts them to Arrow IPC and serves an epoch
@@ -98,7 +101,9 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
     a ``pyarrow.Schema`` or a ``StructType``) is checked against every DataFrame written; ``None``
     accepts any. Rows are tuples in column order; with ``arrow=True`` the records are
     ``pyarrow.RecordBatch`` objects instead (for columnar operators; keep them on their worker,
-    they are not msgpack-serialisable). Each committed Spark write (a batch write, or one
+    they are not msgpack-serialisable), with exactly the wire types of :mod:`spark_bridge.schema`
+    whatever Spark's session time zone (timestamps are ``timestamp[us, UTC]``, aware datetimes in
+    UTC in rows). Each committed Spark write (a batch write, or one
     micro-batch of a streaming write) is one epoch: 0, 1, 2, ... in commit order. The stream's
     frontier passes an epoch once every worker has emitted its rows. The source stays open until
     Spark calls ``spark_bridge.close_stream``/``shutdown`` (or the worker calls
@@ -172,14 +177,28 @@ def source(scope: Any, name: str, schema: Any = None, *, arrow: bool = False,
             import pyarrow as pa
 
             schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
+            # Invariant: the stream's batches have exactly the wire schema (schema.py's table:
+            # timestamp[us, UTC], utf8, ...), whatever variant the writer sent: Spark stages its
+            # session time zone (timestamp[us, tz=Etc/UTC], America/...) and, with
+            # useLargeVarTypes, large_utf8. A zone is metadata only: the instants do not change.
+            wire = S.arrow_schema(fields if fields is not None else S.parse(schema))
             for _rows, frame in frames:  # ZeroMQ frames, or memory from the commit log
-                yield pa.ipc.read_record_batch(pa.py_buffer(getattr(frame, "buffer", frame)), schema)
+                yield S.conform(pa.ipc.read_record_batch(pa.py_buffer(getattr(frame, "buffer", frame)), schema), wire)
 
         def logic(inp: OperatorInput, out: OperatorOutput) -> None:
             if finished[0]:
                 return
             server.pump()
             for icap, recs in inp:
+                # Expiry records are applied on arrival: no commit (which would complete their epoch)
+                # need ever come, and the ledger decides none for an attempt that a commit lists,
+                # before or after, so their order with the commits does not matter.
+                for rec in recs:
+                    if rec[0] == Request.EXPIRE:
+                        staging.apply(rec)
+                recs = [rec for rec in recs if rec[0] != Request.EXPIRE]
+                if not recs:
+                    continue
                 entry = decided.get(icap.time)
                 if entry is None:
                     entry = decided[icap.time] = (icap.retain(), [])

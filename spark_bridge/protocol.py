@@ -17,6 +17,10 @@ msgpack map. Requests carry ``op``, a :class:`Request`:
   once (and again on every repeat) by ``{"ok": False, "kind": "pending", "epoch": E or None}``,
   so that a client tells a slow commit from an unreachable coordinator; the final reply follows.
 - ``abort {stream, query, batch, tokens, final}``: discard the staged data of a batch.
+- ``expire {stream, query, batch, tokens}``: (from the job's own workers, never answered) these
+  staged attempts saw no write activity on the sender for the expiry time: discard them on every
+  worker unless the batch is decided, and refuse a later commit listing one of them (see
+  :mod:`spark_bridge.ledger`).
 - ``close {stream}``: close a source (its frontier becomes empty once pending commits are out).
 - ``shutdown {}``: close every source, stop accepting data, release sinks.
 - ``status {}``: streams, worker endpoints and per-source counters.
@@ -31,7 +35,8 @@ secret both endpoints are CURVE servers (:mod:`timely.comm.secret`).
 **Data** (every worker). Multipart messages whose first frame is an :class:`Op`:
 
 - ``B token header schema``: a write task begins a staged write (header: stream, query, batch,
-  partition, attempt, generation; schema: Arrow IPC schema bytes).
+  partition, attempt, generation, timeout (the write's, in seconds: its staged rows expire after a
+  multiple of it); schema: Arrow IPC schema bytes).
 - ``D token rows body``: one Arrow record batch (``RecordBatch.serialize()``), ``rows`` as int64.
 - ``E token summary``: end of the task's data for this worker; answered ``A token reply`` once staged
   (``A`` also rejects a write early, as soon as the worker knows it failed).
@@ -53,8 +58,8 @@ ROWS = struct.Struct("<q")
 
 
 class Request(str, enum.Enum):
-    """The ``op`` of a coordinator request. ``COMMIT``, ``ABORT`` and ``CLOSE`` also name the decisions
-    the coordinator takes on such requests (see :class:`spark_bridge.ledger.Decision`)."""
+    """The ``op`` of a coordinator request. ``COMMIT``, ``ABORT``, ``EXPIRE`` and ``CLOSE`` also name the
+    decisions the coordinator takes on such requests (see :class:`spark_bridge.ledger.Decision`)."""
 
     HELLO = "hello"
     PLAN = "plan"
@@ -63,6 +68,7 @@ class Request(str, enum.Enum):
     CLOSE = "close"
     SHUTDOWN = "shutdown"
     STATUS = "status"
+    EXPIRE = "expire"
 
 
 class Op(bytes, enum.Enum):
@@ -86,6 +92,13 @@ class Op(bytes, enum.Enum):
 
 
 _REPLIES = {Op.STATUS: Op.STATUS_REPLY, Op.RELEASE: Op.RELEASE_REPLY, Op.STOP: Op.STOP_REPLY}
+
+
+def is_ipv6(endpoint: str) -> bool:
+    """Whether ``endpoint`` is ``tcp://[IPV6]:PORT``: ZeroMQ binds or connects it only on a socket with
+    ``zmq.IPV6`` set (which the bridge sets on no other: it would report an IPv4 endpoint it binds
+    as ``tcp://[::ffff:a.b.c.d]:PORT``)."""
+    return endpoint.startswith("tcp://[")
 
 
 def pack(obj: Any) -> bytes:

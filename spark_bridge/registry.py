@@ -48,6 +48,10 @@ class Registry:
         """``[data endpoint, generation]`` of every worker (all registered)."""
         return [list(self.endpoints[i]) for i in range(self.peers)]
 
+    def generations(self) -> list[str | None]:
+        """The bridge generation of every worker, ``None`` where not registered yet."""
+        return [self.endpoints[i][1] if i in self.endpoints else None for i in range(self.peers)]
+
     def known(self) -> list[str | None]:
         """The data endpoint of every worker, ``None`` where not registered yet."""
         return [self.endpoints[i][0] if i in self.endpoints else None for i in range(self.peers)]

@@ -16,6 +16,7 @@ idle bridge costs nothing measurable.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -30,7 +31,7 @@ from timely.comm.secret import JobSecret, resolve
 from . import checks
 from . import protocol as P
 from .errors import BridgeError
-from .ledger import Staging
+from .ledger import Staging, expiry_seconds
 from .protocol import Op, Request
 from .registry import Registry, job_identity
 from .streams import Sink, Source, Streams
@@ -38,6 +39,7 @@ from .streams import Sink, Source, Streams
 _SERVERS: weakref.WeakKeyDictionary[Any, BridgeServer] = weakref.WeakKeyDictionary()
 
 GRACE = 0.5  # seconds a stopping bridge keeps answering, so writes in flight fail with a clear message
+EXPIRY_CHECK = 1.0  # seconds between two looks for staged writes that expired (see ledger.EXPIRY_FACTOR)
 
 
 def _now() -> float:
@@ -69,15 +71,22 @@ class BridgeServer:
         self.last_activity = _now()
         self.deferred_plans: list = []  # plans asked before every worker registered
         self.orphans = Staging("<unknown>", self.index)  # writes naming no known stream
-        self.data = self._router()
-        self.data.bind(f"tcp://{host or _host_of(coordinator)}:*")
-        self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.next_expiry_check = _now() + EXPIRY_CHECK
         self.coord: zmq.Socket | None = None
         self.hello: zmq.Socket | None = None
+        #: The interface the data endpoint binds (an IPv6 address without brackets).
+        self.host = (host or _host_of(coordinator)).strip("[]")
+        self.data = self._router(":" in self.host)
+        try:
+            self.data.bind(f"tcp://{_bracketed(self.host)}:*")
+        except zmq.ZMQError as e:
+            self.close()
+            raise BridgeError(f"spark_bridge: cannot bind a data endpoint on host {self.host!r}: {e}") from e
+        self.data_endpoint = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
         job = job_identity(worker)
         self.registry = Registry(self.peers, job, self.index, (self.data_endpoint, self.generation))
         if self.index == 0:
-            self.coord = self._router()
+            self.coord = self._router(P.is_ipv6(coordinator))
             bind = coordinator[:-2] + ":*" if coordinator.startswith("tcp://") and coordinator.endswith(":0") else coordinator
             try:
                 self.coord.bind(bind)
@@ -99,13 +108,15 @@ class BridgeServer:
         self.coordinator_endpoint = coordinator
         self.hello = self.ctx.socket(zmq.DEALER)
         self.hello.setsockopt(zmq.LINGER, 1000)
+        if P.is_ipv6(coordinator):
+            self.hello.setsockopt(zmq.IPV6, 1)
         if secret is not None:
             secret.connect(self.hello)
         self.hello.connect(coordinator)
         self.hello.send(P.pack({"op": Request.HELLO.value, "worker": self.index, "endpoint": self.data_endpoint,
                                 "generation": self.generation, "job": job}))
 
-    def _router(self) -> zmq.Socket:
+    def _router(self, ipv6: bool) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
         if self.secret is not None:
             self.secret.serve(s)
@@ -114,6 +125,8 @@ class BridgeServer:
         s.setsockopt(zmq.LINGER, 200)
         s.setsockopt(zmq.SNDHWM, 0)  # never drop a reply or an output batch at a high-water mark
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise (and are ignored) instead of vanishing
+        if ipv6:
+            s.setsockopt(zmq.IPV6, 1)  # (see protocol.is_ipv6)
         return s
 
     # -- operators ----------------------------------------------------------------------------
@@ -160,6 +173,10 @@ class BridgeServer:
             plans, self.deferred_plans = self.deferred_plans, []
             for ident, req in plans:
                 self.answer([(ident, self._plan_reply(req))])
+        now = _now()
+        if now >= self.next_expiry_check and not self.closed:
+            self.next_expiry_check = now + EXPIRY_CHECK
+            self.expire_idle(now)
         if n:
             self.last_activity = _now()
         return n > 0
@@ -246,12 +263,17 @@ class BridgeServer:
                 return f"stream '{src.name}': a commit lists rows on workers {strangers} of a {self.peers}-worker job"
             generations = req.get("generations")
             if generations is not None:  # the other workers' shares: staged by the processes running now?
-                now = [str(g) for _, g in self.registry.plan()]
+                # A worker not registered (yet) is a new process too: the write was planned when
+                # every worker had registered, and a coordinator forgets no registration, so this
+                # coordinator restarted since (Spark's commit retry reaching a restarted job).
+                now = self.registry.generations()
                 gone = sorted({w for _, per in tokens for w, rows in per
-                               if rows and (w >= len(generations) or generations[w] != now[w])})
+                               if rows and (w >= len(generations) or now[w] is None or generations[w] != now[w])})
                 if gone:
+                    unknown = [w for w in gone if now[w] is None]
+                    waiting = f" ({unknown} not registered yet)" if unknown else ""
                     return (f"stream '{src.name}': the timely job restarted since the rows were staged (workers "
-                            f"{gone} are new processes; what was staged there is gone)")
+                            f"{gone} are new processes{waiting}; what was staged there is gone)")
             return next((why for _, _, why in src.staging.unstaged(query, batch, tokens)), None)
 
         return self._decide(req, lambda src: src.ledger.request_commit(
@@ -265,6 +287,34 @@ class BridgeServer:
     def _close(self, ident: bytes, req: dict) -> dict | None:
         return self._decide(req, lambda src: src.ledger.request_close())
 
+    def expire_idle(self, now: float) -> None:
+        """Propose to discard the staged writes of this worker that expired (no activity on this
+        worker for ``EXPIRY_FACTOR`` times their write's timeout: a Spark driver that died before
+        its commit or abort). Only worker 0's ledger decides, so that no commit is ever decided
+        for rows a worker dropped: the proposal goes to the coordinator (over the registration
+        socket from workers 1..N-1), which publishes an expiry record that every worker applies
+        when it arrives, and refuses any later commit listing those attempts."""
+        for src in self.streams.sources.values():
+            for query, batch, tokens in src.staging.expired(now):
+                req = {"op": Request.EXPIRE.value, "stream": src.name, "query": query, "batch": batch, "tokens": tokens}
+                if self.coord is not None:
+                    self._expire(b"", req)
+                elif self.hello is not None:
+                    with contextlib.suppress(zmq.Again):  # (never blocks; proposed again later)
+                        self.hello.send(P.pack(req), zmq.NOBLOCK)
+        # A write to no known stream fails at once and is never committed: forget it here.
+        for _query, _batch, tokens in self.orphans.expired(now):
+            self.orphans.drop(tokens)
+
+    def _expire(self, ident: bytes, req: dict) -> None:
+        """A worker's proposal to discard idle staged attempts (never answered: the proposer is a
+        worker of this job, whose registration socket takes any reply as a refusal of its hello)."""
+        src = self.streams.sources.get(req["stream"])
+        if src is not None and src.staging.idle(req["query"], req["batch"], _now()):
+            # (Staged here too and written to recently: the write is alive; the proposal comes again.)
+            self._decide(req, lambda src: src.ledger.request_expire(req["query"], req["batch"], req["tokens"]))
+        return None
+
     def _shutdown(self, ident: bytes, req: dict) -> dict:
         self.stop()
         return P.ok()
@@ -277,7 +327,7 @@ class BridgeServer:
 
     _coordinator_ops: ClassVar[dict[str, Callable[..., dict | None]]] = {
         Request.HELLO: _hello, Request.PLAN: _plan, Request.COMMIT: _commit, Request.ABORT: _abort,
-        Request.CLOSE: _close, Request.SHUTDOWN: _shutdown, Request.STATUS: _status,
+        Request.CLOSE: _close, Request.SHUTDOWN: _shutdown, Request.STATUS: _status, Request.EXPIRE: _expire,
     }
 
     def stop(self) -> None:
@@ -318,7 +368,8 @@ class BridgeServer:
         token, schema = key.decode(), msg[4].bytes
         src = self.streams.sources.get(header["stream"])
         staging = self.orphans if src is None else src.staging
-        staged = staging.begin(token, header["query"], header["batch"], schema, ident, self._refusal(staging.name))
+        staged = staging.begin(token, header["query"], header["batch"], schema, ident, self._refusal(staging.name),
+                               expiry_seconds(header.get("timeout")))
         if src is None:
             staged.fail(f"unknown stream '{header['stream']}' on worker {self.index}",
                         "stopping" if self.stopping else "error")
@@ -352,8 +403,8 @@ class BridgeServer:
         token = key.decode()
         staging = self._staging_of(token)
         if staging is None:
-            reply = P.error(f"worker {self.index} has no staged write {token} (it was discarded or the worker "
-                            f"restarted)")
+            reply = P.error(f"worker {self.index} has no staged write {token} (it was discarded: aborted, expired "
+                            f"without a commit, or the worker restarted)")
         else:
             reply = staging.end(token, summary["rows"], summary["batches"], self._refusal(staging.name))
         self._ack(ident, token, reply)
@@ -422,12 +473,18 @@ class BridgeServer:
 
 
 def _host_of(endpoint: str) -> str:
+    """The host of a ``tcp://HOST:PORT`` endpoint (an IPv6 address without its brackets), else 127.0.0.1."""
     if endpoint.startswith("tcp://"):
         host = endpoint[6:].rsplit(":", 1)[0]
         if host in ("*", "0.0.0.0", ""):
             return "127.0.0.1"
         return host.strip("[]")
     return "127.0.0.1"
+
+
+def _bracketed(host: str) -> str:
+    """``host`` as the host of a ZeroMQ tcp endpoint: an IPv6 address in brackets (``[::1]``)."""
+    return f"[{host}]" if ":" in host else host
 
 
 def serve(worker: Any, coordinator: str | None = None, host: str | None = None,
@@ -452,6 +509,17 @@ def serve(worker: Any, coordinator: str | None = None, host: str | None = None,
                              f"{server.coordinator_endpoint}, not {coordinator}")
         if secret is not None and resolve(secret) != server.secret:
             raise ValueError("spark_bridge: this worker already serves the bridge with another secret")
+        # Invariant: an option given is an option applied (a bridge started first, as a barrier
+        # task's is before the job's main, binds and limits as it was told).
+        if max_message_bytes is not None and int(max_message_bytes) != server.max_message_bytes:
+            raise ValueError(f"spark_bridge: this worker already serves the bridge with max_message_bytes="
+                             f"{server.max_message_bytes}, not {max_message_bytes} (the first source, sink or "
+                             f"serve of a worker sets it; under spark_bridge.run/submit pass max_message_bytes= "
+                             f"to submit)")
+        if host is not None and host.strip("[]") != server.host:
+            raise ValueError(f"spark_bridge: this worker's bridge already binds its data endpoint on host "
+                             f"{server.host!r}, not {host!r} (the first source, sink or serve of a worker sets "
+                             f"it; under spark_bridge.run/submit each worker binds its own host)")
         return server
     coordinator = coordinator or os.environ.get("TIMELY_SPARK_COORDINATOR")
     if not coordinator:

@@ -110,5 +110,6 @@ class Streams:
     def stats(self) -> dict:
         """Per-source counters, for the status reply."""
         return {n: {"epochs": s.ledger.epochs, "rows": s.ledger.rows, "dropped_rows": s.staging.dropped_rows,
-                    "duplicate_rows": s.staging.duplicate_rows, "staged_tokens": len(s.staging.tokens)}
+                    "duplicate_rows": s.staging.duplicate_rows, "expired_rows": s.staging.expired_rows,
+                    "staged_tokens": len(s.staging.tokens)}
                 for n, s in self.sources.items()}
