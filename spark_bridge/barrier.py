@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from timely import TimelyError, WorkerError
-from timely.launch import Outcome, check_job, failure_error
+from timely.launch import MAX_HEARTBEAT_TIMEOUT, Outcome, check_job, failure_error
 
 from .barrier_link import DriverLink
 from .barrier_task import BarrierSpec, barrier_task
@@ -85,6 +85,10 @@ def submit(spark: Any, job: str, workers: int, args: Sequence[str] = (), *, chec
     for name, seconds in (("startup_timeout", startup_timeout), ("heartbeat_timeout", heartbeat_timeout)):
         if not 0 < seconds < math.inf:
             raise ValueError(f"{name} must be a positive number of seconds, not {seconds!r}")
+    if heartbeat_timeout > MAX_HEARTBEAT_TIMEOUT:  # (the workers' TCP_MAXRT: milliseconds in a C int)
+        raise ValueError(f"heartbeat_timeout must be at most {MAX_HEARTBEAT_TIMEOUT} seconds, not {heartbeat_timeout!r}")
+    if not 0 <= slot_wait < math.inf:
+        raise ValueError(f"slot_wait must be a number of seconds, 0 or more, not {slot_wait!r}")
     if isinstance(coordinator_port, bool) or not isinstance(coordinator_port, int) or not 0 <= coordinator_port <= 65535:
         raise ValueError(f"coordinator_port must be a port number (0: a free one), not {coordinator_port!r}")
     if checkpoint is not None:

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from timely import WorkerError
 from timely.launch import JobFileError
 
 #: Spark settings this command sets unless given: a barrier stage that cannot get its slots fails
@@ -105,7 +106,6 @@ def stage_failure(e: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the job on the Spark cluster and return the exit status."""
-    from timely import WorkerError
 
     from .barrier import InsufficientSlots, submit
 
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(str(e))
     except WorkerError as e:
         sys.stderr.write(f"spark_bridge.launch: {e}\n")
-        return 1
+        return worker_error_status(e)
     except TimeoutError as e:
         sys.stderr.write(f"spark_bridge.launch: timeout: {e}\n")
         return 1
@@ -156,6 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         spark.stop()
+
+
+def worker_error_status(error: WorkerError) -> int:
+    """The exit status of a run that failed with ``error``: 2 when its primary failure is the job
+    file (a worker's import of it raised, or its ``main`` cannot run: ``JobFileError``), as
+    ``timely.launch`` answers; else 1."""
+    first = str(error).split("\n", 1)[0]
+    return 2 if "JobFileError: " in first else 1
 
 
 if __name__ == "__main__":

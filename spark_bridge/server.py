@@ -26,7 +26,7 @@ from typing import Any, ClassVar, cast
 
 import zmq
 
-from timely.comm.secret import JobSecret, resolve
+from timely.comm.secret import CURVE_OVERHEAD, JobSecret, resolve
 
 from . import checks
 from . import protocol as P
@@ -120,8 +120,9 @@ class BridgeServer:
         s = self.ctx.socket(zmq.ROUTER)
         if self.secret is not None:
             self.secret.serve(s)
-        # ZeroMQ disconnects a peer sending a larger frame, before buffering it whole.
-        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        # ZeroMQ disconnects a peer sending a larger frame, before buffering it whole; the limit
+        # counts a frame as it travels, so under CURVE with its encryption's overhead.
+        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + (CURVE_OVERHEAD if self.secret is not None else 0))
         s.setsockopt(zmq.LINGER, 200)
         s.setsockopt(zmq.SNDHWM, 0)  # never drop a reply or an output batch at a high-water mark
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise (and are ignored) instead of vanishing

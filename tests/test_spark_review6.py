@@ -400,3 +400,27 @@ def test_submit_publishes_this_jobs_endpoint_not_the_previous_one_and_passes_max
     finally:
         with contextlib.suppress(Exception):
             job.cancel()
+
+
+def test_submit_checks_slot_wait_and_the_heartbeat_timeouts_bound_on_the_driver(tmp_path):
+    """A heartbeat timeout over the workers' bound failed in every task (Spark's error, not ours);
+    a negative or nan slot_wait was accepted."""
+    from timely.launch import MAX_HEARTBEAT_TIMEOUT
+
+    job = str(tmp_path / "job.py")
+    with pytest.raises(ValueError, match=f"heartbeat_timeout must be at most {MAX_HEARTBEAT_TIMEOUT} seconds"):
+        barrier.submit(None, job, 1, heartbeat_timeout=3e6)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="slot_wait must be a number of seconds, 0 or more"):
+            barrier.submit(None, job, 1, slot_wait=bad)
+
+
+def test_the_command_line_answers_2_when_the_job_file_cannot_run():
+    """As timely.launch does (the README's exit-status table); every worker error was 1."""
+    from spark_bridge.launch import worker_error_status
+    from timely import WorkerError
+
+    assert worker_error_status(WorkerError(0, "worker 0 failed: JobFileError: job.py: importing it raised "
+                                              "ModuleNotFoundError: No module named 'nope'\n\nThen: ...")) == 2
+    assert worker_error_status(WorkerError(1, "worker 1 failed: ZeroDivisionError: x\n\nThen: worker 0 "
+                                              "failed: JobFileError: ...")) == 1
