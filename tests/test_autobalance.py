@@ -314,15 +314,16 @@ def test_autobalancer_moves_a_hot_range_with_outputs_unchanged(tmp_path, monkeyp
 
 
 class _TwoOperatorsHub:
-    """A metrics hub reporting two migratable operators, with ``sizes`` bins each; worker 0's bins
-    are hot."""
+    """A metrics hub reporting migratable operators (``{name: bins}``; ``retired``: those whose
+    every worker reported final counts) on two workers; worker 0's bins are hot."""
 
-    def __init__(self, sizes: dict[str, int]) -> None:
-        self.received, self.t, self.sizes = 0, 0.0, sizes
+    def __init__(self, sizes: dict[str, int], retired: tuple[str, ...] = ()) -> None:
+        self.received, self.t, self.sizes, self.retired = 0, 0.0, sizes, retired
         self.counts = {(name, w): [0] * n for name, n in sizes.items() for w in (0, 1)}
 
     def view(self) -> dict:
-        bins = {name: {"state": [1] * n, "reports": {w: (self.t, list(self.counts[name, w])) for w in (0, 1)}}
+        bins = {name: {"state": [1] * n, "retired": name in self.retired,
+                       "reports": {w: (self.t, list(self.counts[name, w])) for w in (0, 1)}}
                 for name, n in self.sizes.items()}
         return {"bins": bins, "rated": [0, 1], "workers": [{"worker": 0, "busy_ms_per_s": 900.0},
                                                           {"worker": 1, "busy_ms_per_s": 100.0}]}

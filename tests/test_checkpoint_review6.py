@@ -10,6 +10,7 @@ import time
 import pytest
 from procs import no_leftover_children
 from test_checkpoint_recovery import expected, expected_counts, job, output
+from test_checkpointer import settle
 
 import megaphone
 import timely
@@ -17,17 +18,6 @@ from timely import ProbeHandle, checkpoint
 from timely.checkpoint import Checkpointer, CheckpointError, Store
 from timely.checkpoint.checkpointer import JOB, CheckpointConfig
 from timely.checkpoint.sources import _start
-
-
-def settle(cks: list[Checkpointer], until, timeout: float = 5.0) -> None:
-    """Poll like the step loop does until ``until()`` holds."""
-    deadline = time.monotonic() + timeout
-    while not until():
-        for ck in cks:
-            ck.poll()
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
 
 # -- 1. an epoch limit, then a continued and rescaled run ---------------------------------------------
 

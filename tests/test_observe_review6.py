@@ -8,19 +8,20 @@ import gc
 import http.client
 import json
 import re
-import threading
 import time
 import types
 
 import pytest
 from megaphone_jobs import FakeControl, FakeProbe
 from procs import no_leftover_children
+from test_autobalance import _TwoOperatorsHub as _Hub
+from test_megaphone_cli import FakeJob
 
 import megaphone
 import timely
 from megaphone.autobalance import AutoBalancer, Steering
 from megaphone.controller import Controller
-from megaphone.endpoint import ControlEndpoint, call
+from megaphone.endpoint import call
 from megaphone.rebalance import EXIT_ABANDONED
 from megaphone.rebalance import main as cli_main
 from megaphone.table import TableError
@@ -30,30 +31,6 @@ from timely.metrics import ENV, LagProbe, MetricsConfig, core
 
 def count_fold(key, value, state):
     return (state or 0) + value, ()
-
-
-class _Hub:
-    """A metrics hub reporting migratable operators (``{name: bins}``; ``retired``: those whose
-    every worker reported final counts) on two workers; worker 0's bins are hot."""
-
-    def __init__(self, sizes: dict[str, int], retired: tuple[str, ...] = ()) -> None:
-        self.received, self.t, self.sizes, self.retired = 0, 0.0, sizes, retired
-        self.counts = {(name, w): [0] * n for name, n in sizes.items() for w in (0, 1)}
-
-    def view(self) -> dict:
-        bins = {name: {"state": [1] * n, "retired": name in self.retired,
-                       "reports": {w: (self.t, list(self.counts[name, w])) for w in (0, 1)}}
-                for name, n in self.sizes.items()}
-        return {"bins": bins, "rated": [0, 1], "workers": [{"worker": 0, "busy_ms_per_s": 900.0},
-                                                          {"worker": 1, "busy_ms_per_s": 100.0}]}
-
-    def advance(self) -> None:
-        self.t += 1.0
-        self.received += 1
-        for (_, w), c in self.counts.items():
-            for b in range(len(c)):
-                if b % 2 == w:
-                    c[b] += 100 if w == 0 else 1
 
 
 def _balancer(hub: _Hub) -> tuple[Controller, FakeControl, AutoBalancer]:
@@ -109,16 +86,12 @@ def test_abandoned_steps_leave_the_planned_table():
     assert ctl.planned_table == ctl.current_table == issued and not ctl.busy
 
 
-class _ClosingJob:
+class _ClosingJob(FakeJob):
     """A fake job in a thread whose control input closes once the first step of a migration is
     issued (the rest of it is abandoned)."""
 
     def __init__(self) -> None:
-        self.control, self.probe = FakeControl(k=3, peers=2), FakeProbe()
-        self.ctl = Controller(self.control, self.probe)
-        self.ep = ControlEndpoint(self.ctl, "tcp://127.0.0.1:*")
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
+        super().__init__(k=3, peers=2)
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -130,15 +103,6 @@ class _ClosingJob:
             self.probe.frontier = self.control.time + 1 if self.control.closed else self.control.time - 2
             self.ctl.tick()
             time.sleep(0.002)
-
-    def __enter__(self) -> _ClosingJob:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join(10)
-        self.ep.close()
 
 
 @pytest.mark.timeout(60)
