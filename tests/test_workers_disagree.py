@@ -88,3 +88,23 @@ def test_a_worker_with_another_operator_is_a_mismatch():
     with pytest.raises(timely.WorkerError) as ei:
         timely.execute(main, workers=2, timeout=TIMEOUT)
     assert "Mismatch" in str(ei.value) or "different dataflow" in str(ei.value)
+
+
+@pytest.mark.timeout(120)
+def test_workers_whose_loops_advance_by_different_steps_raise():
+    """The shape digest named operators and edges only: workers whose feedback loops advance by
+    different steps (the same operators, other summaries) applied each other's updates."""
+    def main(worker):
+        with worker.dataflow() as scope:
+            inp = scope.new_input()
+            handle, loop = scope.feedback(1 + worker.index)  # worker 1's loop steps by 2
+            body = inp.stream.concat(loop)
+            body.filter(lambda x: x > 1).map(lambda x: x // 2).exchange(None).connect_loop(handle)
+            probe = body.probe()
+        inp.send_batch([8, 5])
+        inp.close()
+        worker.step_while(lambda: not probe.done(), timeout=TIMEOUT)
+        return worker.index
+
+    with pytest.raises(timely.WorkerError, match="ProgressMismatchError.*built a different dataflow"):
+        timely.execute(main, workers=2, timeout=TIMEOUT)

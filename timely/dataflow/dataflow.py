@@ -140,8 +140,11 @@ class Dataflow:
         # list lookup at the receiver, instead of three fields and a new Location per update.
         self.locations: tuple[Location, ...] = tuple(sorted(tracker.pointstamps))
         self._location_ids = {loc: i for i, loc in enumerate(self.locations)}
+        # The shape: operators, their summaries (a loop's feedback step, a scope's depth) and the
+        # edges; workers that built loops of other steps would otherwise apply each other's updates.
         shape = repr(
-            [(op.name, len(op.inputs), len(op.outputs)) for op in self.operators] + [(s, t, p) for s, t, p in self.edges]
+            [(op.name, len(op.inputs), len(op.outputs), op.summary) for op in self.operators]
+            + [(s, t, p) for s, t, p in self.edges]
         )
         self.digest = int.from_bytes(hashlib.blake2b(shape.encode(), digest_size=8).digest(), "big")
         # Invariant (ARCHITECTURE 2.4): every output starts with `peers` capabilities at the minimum time,
