@@ -139,7 +139,8 @@ class ColumnChannel(Channel):
         self.op_name = target.op.name
         self.partitioner = partitioner
         self.pushers, _ = df.allocate_channel(target, _Decoder)
-        self._max_body = body_limit(self.pushers[(self.index + 1) % self.peers].max_bytes, _SLACK)
+        self._limit = self.pushers[(self.index + 1) % self.peers].max_bytes  # (the same for every peer)
+        self._max_body = body_limit(self._limit, _SLACK)
         self._gather = min(GATHER_BYTES, self._max_body)
         self._pending: list[Channel] = df.ctx.pending
         self._parts: list[list | None] = [None] * df.peers  # per worker: the parts gathered for it
@@ -187,14 +188,13 @@ class ColumnChannel(Channel):
         # Near the limit (a small max_message_bytes): a part's message carries more than its rows'
         # bytes (its head, and a slice's buffers from the byte-aligned start), so measure it.
         size = batch.nbytes
-        if size <= self._max_body:
-            limit = self.pushers[(self.index + 1) % self.peers].max_bytes
-            size = self._message_size(time, batch)
-            if limit is None or size <= limit:
+        if size <= self._max_body:  # (so there is a limit: without one every batch fits above)
+            size = self._message_size(time, *codec.encode([batch]))
+            if size <= self._limit:
                 return [batch]
             compact = batch.take(pa.array(range(batch.num_rows)))  # its own buffers, from offset 0
-            size = self._message_size(time, compact)
-            if size <= limit:
+            size = self._message_size(time, *codec.encode([compact]))
+            if size <= self._limit:
                 return [compact]
         if batch.num_rows == 1:
             raise ValueError(f"operator '{self.op_name}': a row at time {time!r} is {size:,} bytes in a message, "
@@ -202,11 +202,9 @@ class ColumnChannel(Channel):
         half = batch.num_rows // 2
         return self._fit(time, batch.slice(0, half)) + self._fit(time, batch.slice(half))
 
-    def _message_size(self, time: Any, batch: pa.RecordBatch) -> int:
-        """Bytes of a message carrying ``batch`` alone."""
-        meta, buffers = codec.encode([batch])
-        pusher = self.pushers[(self.index + 1) % self.peers]
-        return sum(b.size for b in buffers) + len(pusher.encode_items([(time, meta)]))
+    def _message_size(self, time: Any, meta: Any, buffers: list) -> int:
+        """Bytes of the message carrying a codec's ``meta`` and ``buffers`` at ``time``."""
+        return sum(b.size for b in buffers) + len(self.pushers[(self.index + 1) % self.peers].encode_items([(time, meta)]))
 
     def _add(self, worker: int, time: Any, batch: pa.RecordBatch) -> None:
         size = batch.nbytes
@@ -250,10 +248,9 @@ class ColumnChannel(Channel):
         count; many tiny parts could otherwise add up to more than a message may carry."""
         meta, buffers = codec.encode(parts)
         pusher = self.pushers[worker]
-        limit = pusher.max_bytes
+        limit = self._limit
         if limit is not None and len(parts) > 1 and gathered + len(parts) * PART_SLACK > limit:
-            size = sum(b.size for b in buffers) + len(pusher.encode_items([(time, meta)]))
-            if size > limit:
+            if self._message_size(time, meta, buffers) > limit:
                 half = len(parts) // 2
                 self._send(worker, time, parts[:half], sum(p.nbytes for p in parts[:half]))
                 self._send(worker, time, parts[half:], sum(p.nbytes for p in parts[half:]))

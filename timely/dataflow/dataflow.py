@@ -288,12 +288,12 @@ class Dataflow:
         each sender's order, and its own batches join the same sequence."""
         batches = self._forward
         if updates:
-            for items, _ in self._pieces(updates):
+            for items, body in self._pieces(updates):
                 head = (self.digest, self.index, self._sent)
                 self._sent += 1
                 self._progress_pushers[self.index].push((head, items))
                 if self.index != relay:
-                    self._progress_pushers[relay].push((head, items))
+                    self._progress_pushers[relay].push_items(head, [body], len(items))  # (encoded once, in _pieces)
                 else:
                     batches.append((head, items))
             if self.index != relay:
