@@ -32,7 +32,7 @@ from timely import TimelyError, Worker
 
 from .controller import Controller
 from .plan import STRATEGIES
-from .table import Table, apply, balanced, move_updates, validate_move
+from .table import Table, apply, balanced, move_updates, rebalance_kind, validate_move
 
 #: The policy's knobs and their defaults (also the launcher's ``--autobalance knob=value,...``).
 DEFAULTS: dict[str, Any] = {"threshold": 0.25, "target": None, "hold": 3, "cooldown": 10.0, "window": 3,
@@ -403,14 +403,10 @@ class Steering:
         strategy = req.get("strategy", "batched")
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r} (expected one of {', '.join(STRATEGIES)})")
-        if req.get("balanced") is not None and not isinstance(req["balanced"], bool):  # ("no" is no yes)
-            raise ValueError(f"'balanced' must be true or false, not {req['balanced']!r:.60}")
-        given = [key for key in ("table", "balanced", "moves") if req.get(key) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError("a rebalance request needs exactly one of 'table', 'balanced' or 'moves'")
-        if given[0] == "balanced":
+        kind = rebalance_kind(req)
+        if kind == "balanced":
             target: Sequence[int] = balanced(c.nbins, c.peers)
-        elif given[0] == "table":
+        elif kind == "table":
             target = req["table"]
             if not isinstance(target, list) or not all(isinstance(w, int) and not isinstance(w, bool) for w in target):
                 raise ValueError("'table' must be a list of worker numbers, one per bin")

@@ -41,7 +41,7 @@ from timely.errors import TimelyError
 
 from .controller import Controller
 from .plan import STRATEGIES
-from .table import apply, balanced, move_updates, validate_move
+from .table import apply, balanced, move_updates, rebalance_kind, validate_move
 
 #: Largest request (bytes) a control endpoint accepts by default.
 MAX_REQUEST_BYTES = 1 << 20
@@ -234,17 +234,13 @@ class ControlEndpoint:
         strategy = req.get("strategy", "batched")
         if strategy not in STRATEGIES:
             raise RequestError(f"unknown strategy {strategy!r} (expected one of {', '.join(STRATEGIES)})")
-        if req.get("balanced") is not None and not isinstance(req["balanced"], bool):  # ("no" read as true)
-            raise RequestError(f"'balanced' must be true or false, not {req['balanced']!r:.60}")
-        given = [key for key in ("table", "balanced", "moves") if req.get(key) not in (None, False)]
-        if len(given) != 1:
-            raise RequestError("a rebalance request needs exactly one of 'table', 'balanced' or 'moves'")
-        if given[0] == "table":
+        kind = rebalance_kind(req, RequestError)
+        if kind == "table":
             raw = req["table"]
             if not isinstance(raw, (list, tuple)):
                 raise RequestError(f"'table' must be a list of workers, one per bin, not {type(raw).__name__}")
             target: Sequence[int] = [_int(w, "worker") for w in raw]
-        elif given[0] == "balanced":
+        elif kind == "balanced":
             target = balanced(c.nbins, c.peers)
         else:
             raw = req["moves"]

@@ -102,6 +102,18 @@ def validate_update(update: Any, nbins: int, peers: int) -> Update:
                      "('table', (worker per bin...))")
 
 
+def rebalance_kind(req: Mapping[str, Any], error: type[Exception] = ValueError) -> str:
+    """Which of ``"table"``, ``"balanced"`` or ``"moves"`` a rebalance request (the control
+    endpoint's, the dashboard's) asks for; ``error`` (naming the problem) unless exactly one, or for a
+    ``balanced`` that is not a bool (``"no"`` read as true)."""
+    if req.get("balanced") is not None and not isinstance(req["balanced"], bool):
+        raise error(f"'balanced' must be true or false, not {req['balanced']!r:.60}")
+    given = [key for key in ("table", "balanced", "moves") if req.get(key) not in (None, False)]
+    if len(given) != 1:
+        raise error("a rebalance request needs exactly one of 'table', 'balanced' or 'moves'")
+    return given[0]
+
+
 def move_updates(moves: Mapping[int, int]) -> list[Update]:
     """The control records of the ``{bin: worker}`` moves, in bin order."""
     return [("move", b, w) for b, w in sorted(moves.items())]
